@@ -1,0 +1,38 @@
+# gem-platform: everything installs into .venv; CPU torch comes first from its pinned wheel.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast crds bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[all]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## demo: train the quickstart GEMTraining locally (no cluster) and print its metrics
+demo: $(STAMP)
+	GEM_HOME=$(CURDIR)/.gem $(VENV)/bin/gemctl submit --local -f examples/quickstart.yaml --wait
+
+## test: the whole test suite
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+## crds: regenerate manifests/crds and the chart's copy from gem/api/types.py
+crds: $(STAMP)
+	$(PY) -m gem.api.crds manifests/crds
+	$(PY) -m gem.api.crds helm/gem-platform/crds
+
+## bench: every benchmark; results in benchmarks/results/
+bench: $(STAMP)
+	$(PY) -m benchmarks.kubeapi
+
+clean:
+	rm -rf $(VENV) .gem .pytest_cache

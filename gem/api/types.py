@@ -1,0 +1,440 @@
+"""The typed API of gem-platform: GEMTraining and LoopFMDistill.
+
+These pydantic models are the single source of truth for both custom resources:
+`make crds` renders `manifests/crds/*.yaml` from them (see `gem.api.crds`), the operator
+validates specs with them, the SDK builds objects with them, and `gem train --config`
+reads the same object the operator wrote into the job's ConfigMap.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in Python.
+This module must never import torch: the SDK and the operator depend on it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "gem.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Where the operator mounts the job's ConfigMap inside the trainer container.
+CONFIG_MOUNT_PATH = "/etc/gem"
+CONFIG_FILE_NAME = "config.yaml"
+#: The trainer writes its final report here; Kubernetes copies it into the pod's status.
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready dict Kubernetes stores (camelCase, no unset optionals)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelPreset(str, Enum):
+    tiny = "tiny"
+    small = "small"
+    base = "base"
+    large = "large"
+
+
+class ModelSpec(ApiModel):
+    """The shape of the GEM model. A preset fixes every size; the fields below override it."""
+
+    preset: ModelPreset = Field(
+        ModelPreset.tiny,
+        description="Model size: tiny (tests), small (CPU demo), base and large (GPU).",
+    )
+    embedding_dim: int | None = Field(
+        None, ge=8, le=8192, description="Width of every token (d). Overrides the preset."
+    )
+    num_heads: int | None = Field(
+        None, ge=1, le=128, description="Attention heads. embeddingDim must be divisible by it."
+    )
+    num_layers: int | None = Field(None, ge=1, le=64, description="Sequence/interaction layers.")
+    max_seq_len: int | None = Field(
+        None, ge=8, le=65536, description="Longest event history kept per example (most recent events)."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelSpec":
+        if self.embedding_dim and self.num_heads and self.embedding_dim % self.num_heads:
+            raise ValueError(
+                f"model.embeddingDim ({self.embedding_dim}) must be divisible by "
+                f"model.numHeads ({self.num_heads}); pick a head count that divides the width"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DataSourceKind(str, Enum):
+    synthetic = "synthetic"
+    parquet = "parquet"
+
+
+class SyntheticDataSpec(ApiModel):
+    """A seeded synthetic ads world with known click and conversion probabilities."""
+
+    seed: int = Field(0, ge=0, description="World seed: a different seed is a held-out world.")
+    num_users: int = Field(2000, ge=1, description="Distinct users.")
+    num_ads: int = Field(500, ge=1, description="Distinct ads.")
+    num_train_examples: int = Field(20000, ge=1, description="Training impressions generated.")
+    num_eval_examples: int = Field(4000, ge=1, description="Held-out impressions for evaluation.")
+    mean_history_len: float = Field(
+        48.0, gt=0, description="Mean length of a user's event history (lengths are long-tailed)."
+    )
+
+
+class DataSpec(ApiModel):
+    source: DataSourceKind = Field(DataSourceKind.synthetic, description="Where examples come from.")
+    synthetic: SyntheticDataSpec = Field(
+        default_factory=SyntheticDataSpec, description="Settings of the synthetic world."
+    )
+    path: str | None = Field(
+        None, description="Directory or URI of Parquet shards; required when source is parquet."
+    )
+
+    @model_validator(mode="after")
+    def _path_for_parquet(self) -> "DataSpec":
+        if self.source == DataSourceKind.parquet.value and not self.path:
+            raise ValueError("data.path is required when data.source is parquet: set it to the shards' directory")
+        return self
+
+
+# --------------------------------------------------------------------------- training
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    mxfp8 = "mxfp8"
+
+
+class TrainingSpec(ApiModel):
+    steps: int = Field(200, ge=1, le=10_000_000, description="Optimizer steps to train.")
+    batch_size: int = Field(
+        64, ge=1, le=1_000_000, description="Examples per step on each data-parallel rank."
+    )
+    learning_rate: float = Field(2e-3, gt=0, le=10, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps before cosine decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables clipping.")
+    precision: Precision = Field(Precision.fp32, description="Matmul precision: fp32, bf16 autocast or mxfp8.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    seed: int = Field(0, ge=0, description="Seed of parameter init and data order.")
+    deepspeed: dict[str, Any] | None = Field(
+        None,
+        description="Extra DeepSpeed config merged over the one derived from this spec (expert use).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+# --------------------------------------------------------------------------- parallelism
+
+
+class TopologySpec(ApiModel):
+    """Network hierarchy above the node, as node-label keys from the fastest to the slowest level."""
+
+    levels: list[str] = Field(
+        default_factory=list,
+        description="Node-label keys from the innermost level up, e.g. [nvidia.com/gpu.clique, topology.kubernetes.io/zone].",
+    )
+
+
+class ParallelismSpec(ApiModel):
+    num_nodes: int = Field(
+        2, ge=1, le=100_000, description="Pods in the gang (one master plus numNodes-1 workers)."
+    )
+    procs_per_node: int = Field(
+        1, ge=1, le=64, description="Trainer processes per pod (usually the GPUs per node)."
+    )
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage, 0 to 3.")
+    topology: TopologySpec = Field(default_factory=TopologySpec, description="Network hierarchy for placement.")
+
+
+# --------------------------------------------------------------------------- placement
+
+
+class Toleration(ApiModel):
+    key: str | None = Field(None, description="Taint key to tolerate.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
+    value: str | None = Field(None, description="Taint value (with Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty means all."
+    )
+
+
+class ResourcesSpec(ApiModel):
+    gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu requested by each pod.")
+    cpu: str = Field("1", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request of each pod, e.g. 8 or 500m.")
+    memory: str = Field(
+        "2Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$", description="Memory request of each pod, e.g. 64Gi."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints of the GPU node pool to tolerate.")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+class CheckpointSpec(ApiModel):
+    path: str = Field(
+        "/var/lib/gem/checkpoints",
+        description="Directory the trainer writes checkpoints to, inside the pod.",
+    )
+    claim_name: str | None = Field(
+        None,
+        description="PersistentVolumeClaim mounted at path; without it checkpoints live only as long as the pod.",
+    )
+    every_steps: int = Field(100, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    keep_last: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class MLflowSpec(ApiModel):
+    enabled: bool = Field(True, description="Log params, metrics and the checkpoint to MLflow.")
+    experiment: str = Field("gem", min_length=1, description="MLflow experiment name.")
+    tracking_uri: str | None = Field(
+        None,
+        description="Overrides the operator's MLflow URI. Credentials never go here: use credentialsSecret.",
+    )
+    credentials_secret: str | None = Field(
+        None,
+        description="Name of a Secret whose keys (e.g. MLFLOW_TRACKING_TOKEN) become the trainer's environment.",
+    )
+
+    @model_validator(mode="after")
+    def _no_credentials_in_uri(self) -> "MLflowSpec":
+        if self.tracking_uri and "@" in self.tracking_uri.split("//", 1)[-1].split("/", 1)[0]:
+            raise ValueError(
+                "mlflow.trackingUri must not carry credentials (user:password@host): "
+                "put them in a Secret and name it in mlflow.credentialsSecret"
+            )
+        return self
+
+
+class RunPolicySpec(ApiModel):
+    backoff_limit: int = Field(3, ge=0, le=100, description="Restarts of the whole gang before the job fails.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this long.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "None", description="Pods deleted when the job ends: None, Running or All."
+    )
+
+
+class CommonJobSpec(ApiModel):
+    """Fields shared by every job kind."""
+
+    image: str = Field(
+        "ghcr.io/gem-platform/trainer:0.1.0", min_length=1, description="Trainer container image."
+    )
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Gang size and ZeRO stage.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Pod resources and node pool.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint location and cadence.")
+    mlflow: MLflowSpec = Field(default_factory=MLflowSpec, description="Experiment tracking.")
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="Retries, deadline, cleanup.")
+    suspend: bool = Field(False, description="Suspend the job: pods are stopped; resuming continues from the last checkpoint.")
+
+
+class GEMTrainingSpec(CommonJobSpec):
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model architecture and size.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training and evaluation data.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Optimisation settings.")
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+class TeacherSpec(ApiModel):
+    """Exactly one of gemTraining, checkpoint or mlflowModelUri names the teacher."""
+
+    gem_training: str | None = Field(
+        None, description="Name of a GEMTraining in the same namespace; its latest checkpoint is the teacher."
+    )
+    checkpoint: str | None = Field(None, description="Path of a GEM checkpoint directory.")
+    mlflow_model_uri: str | None = Field(None, description="MLflow model URI, e.g. models:/gem/3.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "TeacherSpec":
+        named = [n for n in ("gem_training", "checkpoint", "mlflow_model_uri") if getattr(self, n)]
+        if len(named) != 1:
+            raise ValueError(
+                "teacher must name exactly one of gemTraining, checkpoint or mlflowModelUri "
+                f"(got {', '.join(to_camel(n) for n in named) or 'none'})"
+            )
+        return self
+
+
+class StudentSpec(ApiModel):
+    embedding_dim: int = Field(32, ge=4, le=4096, description="Width of the student's tokens.")
+    hidden_dim: int = Field(64, ge=4, le=65536, description="Width of the student's MLP.")
+    max_seq_len: int = Field(32, ge=1, le=65536, description="Recent events the student reads.")
+
+
+class DistillationSpec(ApiModel):
+    method: Literal["kd", "loopfm"] = Field(
+        "kd", description="kd: plain knowledge distillation on teacher scores; loopfm: teacher embeddings as features."
+    )
+    temperature: float = Field(1.0, gt=0, le=100, description="Softening temperature of teacher logits.")
+    alpha: float = Field(0.5, ge=0, le=1, description="Weight of the distillation loss against the label loss.")
+
+
+class LoopFMDistillSpec(CommonJobSpec):
+    teacher: TeacherSpec = Field(description="The foundation model to distil from.")
+    student: StudentSpec = Field(default_factory=StudentSpec, description="The small vertical model.")
+    distillation: DistillationSpec = Field(default_factory=DistillationSpec, description="How knowledge moves.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Student training and evaluation data.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Optimisation settings.")
+
+
+# --------------------------------------------------------------------------- status
+
+
+class Phase(str, Enum):
+    pending = "Pending"
+    waiting_for_teacher = "WaitingForTeacher"
+    created = "Created"
+    running = "Running"
+    restarting = "Restarting"
+    suspended = "Suspended"
+    succeeded = "Succeeded"
+    failed = "Failed"
+    invalid = "Invalid"
+
+
+TERMINAL_PHASES = frozenset({Phase.succeeded.value, Phase.failed.value, Phase.invalid.value})
+
+
+class Condition(ApiModel):
+    type: str = Field(description="Condition type, e.g. Valid, Created, Running, Succeeded, Failed.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field("", description="One CamelCase word saying why.")
+    message: str = Field("", description="What happened and, for a problem, how to fix it.")
+    last_transition_time: str = Field(
+        default_factory=lambda: dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        description="When status last changed (RFC 3339).",
+    )
+
+
+class Progress(ApiModel):
+    step: int = Field(0, ge=0, description="Optimizer steps done.")
+    total_steps: int = Field(0, ge=0, description="Optimizer steps planned.")
+    percent: int = Field(0, ge=0, le=100, description="step / totalSteps, in percent.")
+
+
+class MLflowRunRef(ApiModel):
+    run_id: str | None = Field(None, description="MLflow run id.")
+    run_url: str | None = Field(None, description="Link to the run in the MLflow UI.")
+    experiment_id: str | None = Field(None, description="MLflow experiment id.")
+
+
+class ReplicaCounts(ApiModel):
+    active: int = Field(0, ge=0, description="Pods running.")
+    succeeded: int = Field(0, ge=0, description="Pods that finished.")
+    failed: int = Field(0, ge=0, description="Pods that failed.")
+
+
+class JobStatus(ApiModel):
+    phase: Phase | None = Field(None, description="Where the job is in its life.")
+    message: str | None = Field(None, description="A one-line summary of the latest condition.")
+    conditions: list[Condition] = Field(default_factory=list, description="Latest observations, one per type.")
+    observed_generation: int | None = Field(None, description="The spec generation this status describes.")
+    pytorch_job: str | None = Field(None, description="Name of the child PyTorchJob.")
+    replicas: dict[str, ReplicaCounts] = Field(
+        default_factory=dict, description="Pod counts per replica type (Master, Worker)."
+    )
+    progress: Progress | None = Field(None, description="Training progress reported by the trainer.")
+    mlflow: MLflowRunRef | None = Field(None, description="The MLflow run of this job.")
+    latest_checkpoint: str | None = Field(None, description="Path of the newest complete checkpoint.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="Final evaluation metrics, e.g. ne/click, auc/click."
+    )
+    ne: float | None = Field(None, description="Headline NE: mean normalized entropy over tasks (lower is better).")
+    start_time: str | None = Field(None, description="When the trainer pods started.")
+    completion_time: str | None = Field(None, description="When the job finished.")
+
+
+class ObjectMeta(BaseModel):
+    """The subset of Kubernetes ObjectMeta the SDK and operator read; the rest passes through."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+    resource_version: str | None = Field(None, alias="resourceVersion")
+    creation_timestamp: str | None = Field(None, alias="creationTimestamp")
+
+
+class _Resource(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
+
+    api_version: Literal["gem.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    metadata: ObjectMeta
+    status: JobStatus | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class GEMTraining(_Resource):
+    """Train a GEM foundation model."""
+
+    kind: Literal["GEMTraining"] = "GEMTraining"
+    spec: GEMTrainingSpec
+
+
+class LoopFMDistill(_Resource):
+    """Distil a GEM foundation model into a small vertical model."""
+
+    kind: Literal["LoopFMDistill"] = "LoopFMDistill"
+    spec: LoopFMDistillSpec
+
+
+#: Everything about each kind the CRD generator, operator and SDK need.
+KINDS: dict[str, dict[str, Any]] = {
+    "GEMTraining": {
+        "model": GEMTraining,
+        "spec": GEMTrainingSpec,
+        "plural": "gemtrainings",
+        "singular": "gemtraining",
+        "short_names": ["gemt", "gt"],
+        "trainer_command": "train",
+    },
+    "LoopFMDistill": {
+        "model": LoopFMDistill,
+        "spec": LoopFMDistillSpec,
+        "plural": "loopfmdistills",
+        "singular": "loopfmdistill",
+        "short_names": ["lfd"],
+        "trainer_command": "distill",
+    },
+}
+
+
+def parse_object(obj: dict[str, Any]) -> GEMTraining | LoopFMDistill:
+    """Parse a GEMTraining or LoopFMDistill manifest (a dict) into its typed model."""
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return KINDS[kind]["model"].model_validate(obj)

@@ -1,0 +1,47 @@
+"""`gem-operator`: run the operator against the cluster in the kubeconfig (or in-cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gem-operator", description="Reconcile GEMTraining and LoopFMDistill into PyTorchJobs.")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="Namespace to serve (repeatable).")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="Serve every namespace (default).")
+    p.add_argument("--kubeconfig", help="Path of a kubeconfig; default: in-cluster, then $KUBECONFIG, then ~/.kube/config.")
+    p.add_argument("--liveness", default=None, help="Serve liveness on this URL, e.g. http://0.0.0.0:8080/healthz.")
+    p.add_argument(
+        "--peering", default=None, help="Peering object name: replicas that share one never act at once (default: standalone)."
+    )
+    p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow URI given to trainer pods (or $GEM_MLFLOW_TRACKING_URI).")
+    p.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    if args.mlflow_tracking_uri:
+        os.environ["GEM_MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
+    import kopf
+
+    import gem_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose, log_prefix=True)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    kopf.run(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+    )
+
+
+if __name__ == "__main__":
+    main()

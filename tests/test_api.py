@@ -1,0 +1,197 @@
+"""The typed API: CRDs rendered from it, the PyTorchJob it renders, and its error messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pydantic
+import pytest
+import yaml
+
+from gem.api import crds, render
+from gem.api.status import apply_report, master_report, phase_from_job, set_condition
+from gem.api.types import KINDS, GEMTraining, LoopFMDistill, parse_object
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTORCHJOB_CRD = ROOT / "tests" / "kubeapi" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+
+
+def _pytorchjob_schema() -> dict:
+    path = PYTORCHJOB_CRD if PYTORCHJOB_CRD.exists() else ROOT.parent / "shared/reference/kubeflow.org_pytorchjobs.yaml"
+    crd = yaml.safe_load(path.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_checked_in_crds_match_the_models():
+    rendered = crds.render_all()
+    for name, text in rendered.items():
+        path = ROOT / "manifests" / "crds" / name
+        assert path.exists(), f"{path} missing: run `make crds`"
+        assert path.read_text() == text, f"{path} drifted from gem/api/types.py: run `make crds`"
+    assert sorted(p.name for p in (ROOT / "manifests" / "crds").glob("*.yaml")) == sorted(rendered)
+
+
+def _walk(node: dict, path: str):
+    yield path, node
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_crd_schema_is_structural_and_documented(kind):
+    crd = crds.render_crd(kind)
+    version = crd["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    forbidden = {"$ref", "anyOf", "oneOf", "allOf", "title", "const", "$defs"}
+    for path, node in _walk(schema["properties"]["spec"], "spec"):
+        assert node.get("type") or node.get("x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
+        assert not forbidden & set(node), f"{path} uses {forbidden & set(node)}"
+        if path != "spec" and not path.endswith(("[]", "{}")):
+            assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
+        if isinstance(node.get("exclusiveMinimum"), bool):
+            assert "minimum" in node
+    assert version["subresources"] == {"status": {}}
+    cols = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Phase", "Progress", "NE", "Age"} <= cols
+    assert crd["spec"]["names"]["shortNames"]
+
+
+def test_crd_defaults_validate_against_their_own_schema():
+    # A default that its own schema rejects makes the API server refuse the CRD.
+    for kind in KINDS:
+        schema = crds.render_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for path, node in _walk(schema, kind):
+            if "default" in node and node["default"] != {}:
+                sub = {k: v for k, v in node.items() if k not in ("default", "description", "nullable")}
+                sub.pop("exclusiveMinimum", None)
+                jsonschema.validate(node["default"], sub)
+
+
+def _gemt(**spec) -> GEMTraining:
+    return GEMTraining.model_validate(
+        {"metadata": {"name": "quick", "namespace": "team-a", "uid": "uid-1", "generation": 1}, "spec": spec}
+    )
+
+
+def test_rendered_pytorchjob_validates_against_the_official_crd():
+    obj = _gemt(
+        checkpoint={"claimName": "ckpt"},
+        resources={"gpusPerNode": 8, "nodeSelector": {"pool": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+        mlflow={"credentialsSecret": "mlflow-creds"},
+        parallelism={"numNodes": 4, "procsPerNode": 8},
+    )
+    job = render.render_pytorchjob(obj, mlflow_tracking_uri="http://mlflow:5000")
+    jsonschema.validate(job, _pytorchjob_schema())
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    container = specs["Master"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow:5000"} in container["env"]
+    assert container["envFrom"] == [{"secretRef": {"name": "mlflow-creds"}}]
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert job["spec"]["nprocPerNode"] == "8"
+
+
+def test_single_node_job_has_no_workers_and_a_distill_job_mounts_its_teacher():
+    obj = _gemt(parallelism={"numNodes": 1})
+    assert "Worker" not in render.render_pytorchjob(obj)["spec"]["pytorchReplicaSpecs"]
+    lfd = LoopFMDistill.model_validate(
+        {"metadata": {"name": "lfd", "namespace": "ns", "uid": "u2"}, "spec": {"teacher": {"gemTraining": "quick"}}}
+    )
+    teacher = render.TeacherMount(checkpoint="/ckpt/ns/quick/step-00000010", claim_name="teacher-pvc", mount_path="/ckpt")
+    job = render.render_pytorchjob(lfd, teacher=teacher)
+    jsonschema.validate(job, _pytorchjob_schema())
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert {"name": "teacher", "persistentVolumeClaim": {"claimName": "teacher-pvc", "readOnly": True}} in pod["volumes"]
+    manifest = yaml.safe_load(render.render_config_map(lfd, teacher)["data"]["config.yaml"])
+    assert manifest["spec"]["teacher"] == {"checkpoint": "/ckpt/ns/quick/step-00000010"}
+    assert "distill" in pod["containers"][0]["args"]
+
+
+def test_job_names_are_deterministic_and_fit_a_service_name():
+    assert render.job_name("GEMTraining", "a") == "a-train"
+    long = "x" * 63
+    name = render.job_name("GEMTraining", long)
+    assert name == render.job_name("GEMTraining", long)
+    assert len(name + "-master-0") <= 63
+    assert name != render.job_name("LoopFMDistill", long)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"parallelism": {"numNodes": -1}}, "parallelism.numNodes"),
+        ({"training": {"steps": "many"}}, "training.steps"),
+        ({"model": {"preset": "huge"}}, "model.preset"),
+        ({"training": {"stepz": 3}}, "training.stepz"),
+        ({"model": {"embeddingDim": 30, "numHeads": 4}}, "numHeads"),
+        ({"data": {"source": "parquet"}}, "data.path"),
+        ({"mlflow": {"trackingUri": "https://bob:secret@mlflow"}}, "credentialsSecret"),
+    ],
+)
+def test_bad_specs_name_the_field(spec, field):
+    with pytest.raises(pydantic.ValidationError) as e:
+        _gemt(**spec)
+    assert field in str(e.value)
+
+
+def test_teacher_must_name_exactly_one_source():
+    with pytest.raises(pydantic.ValidationError, match="exactly one"):
+        parse_object({"kind": "LoopFMDistill", "metadata": {"name": "x"}, "spec": {"teacher": {}}})
+    with pytest.raises(pydantic.ValidationError, match="gemTraining, checkpoint"):
+        parse_object(
+            {"kind": "LoopFMDistill", "metadata": {"name": "x"}, "spec": {"teacher": {"gemTraining": "a", "checkpoint": "/c"}}}
+        )
+
+
+def test_status_helpers_mirror_job_conditions_and_reports():
+    job_status = {
+        "conditions": [
+            {"type": "Created", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+            {"type": "Running", "status": "False", "lastTransitionTime": "2026-01-01T00:01:00Z"},
+            {"type": "Succeeded", "status": "True", "message": "done", "lastTransitionTime": "2026-01-01T00:02:00Z"},
+        ]
+    }
+    phase, cond = phase_from_job(job_status)
+    assert phase == "Succeeded" and cond["message"] == "done"
+    assert phase_from_job({"conditions": [{"type": "Created", "status": "True"}]})[0] == "Created"
+    assert phase_from_job(None) == (None, None)
+
+    pod = {
+        "metadata": {"labels": {"training.kubeflow.org/replica-type": "master"}},
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "state": {"terminated": {"exitCode": 0, "message": '{"metrics":{"ne/click":0.8},"ne":0.8,"step":10,"totalSteps":20,"checkpoint":"/c/step-10","mlflowRunId":"r1"}'}},
+                }
+            ]
+        },
+    }
+    report = master_report([pod])
+    status = apply_report({}, report)
+    assert status["metrics"] == {"ne/click": 0.8}
+    assert status["progress"] == {"step": 10, "totalSteps": 20, "percent": 50}
+    assert status["latestCheckpoint"] == "/c/step-10" and status["mlflow"] == {"runId": "r1"}
+
+    conds = set_condition([], "Valid", "False", "InvalidSpec", "bad")
+    same = set_condition(conds, "Valid", "False", "InvalidSpec", "still bad")
+    assert same[0]["lastTransitionTime"] == conds[0]["lastTransitionTime"] and same[0]["message"] == "still bad"
+    assert len(set_condition(same, "Ready", "True", "Ok")) == 2
+
+
+def test_api_sdk_and_operator_rendering_stay_torch_free():
+    code = (
+        "import sys, gem, gem.api, gem.api.render, gem.api.status, gem.api.crds;"
+        "import gem_operator.reconcile;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
