@@ -28,7 +28,8 @@ test: $(STAMP)
 ## crds: regenerate manifests/crds and the chart's copy from gem/api/types.py
 crds: $(STAMP)
 	$(PY) -m gem.api.crds manifests/crds
-	$(PY) -m gem.api.crds helm/gem-platform/crds
+	$(PY) helm/generate.py
+	$(PY) -m gem.api.docs docs/api.md
 
 ## bench: every benchmark; results in benchmarks/results/
 bench: $(STAMP)

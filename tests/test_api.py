@@ -34,6 +34,13 @@ def test_checked_in_crds_match_the_models():
     assert sorted(p.name for p in (ROOT / "manifests" / "crds").glob("*.yaml")) == sorted(rendered)
 
 
+def test_api_reference_page_matches_the_models():
+    from gem.api.docs import render_page
+
+    page = ROOT / "docs" / "api.md"
+    assert page.read_text() == render_page(), "docs/api.md drifted from gem/api/types.py: run `make crds`"
+
+
 def _walk(node: dict, path: str):
     yield path, node
     for key, sub in (node.get("properties") or {}).items():

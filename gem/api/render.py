@@ -17,6 +17,7 @@ from gem.api.types import (
     API_VERSION,
     CONFIG_FILE_NAME,
     CONFIG_MOUNT_PATH,
+    DEFAULT_TRAINER_IMAGE,
     KINDS,
     TERMINATION_MESSAGE_PATH,
     GEMTraining,
@@ -54,6 +55,21 @@ def job_name(kind: str, name: str) -> str:
 
 def config_map_name(kind: str, name: str) -> str:
     return f"{job_name(kind, name)}-config"
+
+
+#: The uid the trainer image runs as (docker/trainer.Dockerfile); fsGroup makes volumes writable for it.
+TRAINER_UID = 10001
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """What the platform (the operator's configuration) fills in where a spec is silent."""
+
+    trainer_image: str = DEFAULT_TRAINER_IMAGE
+    mlflow_credentials_secret: str | None = None
+    #: Kueue LocalQueue the PyTorchJob is queued in, as the label `queue_label`.
+    queue_name: str | None = None
+    queue_label: str = "kueue.x-k8s.io/queue-name"
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,7 @@ def _pod_template(
     *,
     mlflow_tracking_uri: str | None,
     teacher: TeacherMount | None,
+    defaults: PlatformDefaults,
 ) -> dict[str, Any]:
     spec = obj.spec
     env = [
@@ -185,7 +202,7 @@ def _pod_template(
 
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.image,
+        "image": spec.image or defaults.trainer_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["torchrun"],
         "args": _torchrun_args(obj.kind),
@@ -194,11 +211,25 @@ def _pod_template(
         "volumeMounts": mounts,
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Hardened like the operator's pod, except readOnlyRootFilesystem: compilers, caches and
+        # the GPU runtime write below $HOME and /tmp inside the image.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    if spec.mlflow.credentials_secret:
-        container["envFrom"] = [{"secretRef": {"name": spec.mlflow.credentials_secret}}]
+    credentials = spec.mlflow.credentials_secret or defaults.mlflow_credentials_secret
+    if spec.mlflow.enabled and credentials:
+        container["envFrom"] = [{"secretRef": {"name": credentials}}]
 
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": TRAINER_UID,
+            "runAsGroup": TRAINER_UID,
+            "fsGroup": TRAINER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
@@ -211,10 +242,11 @@ def render_pytorchjob(
     *,
     mlflow_tracking_uri: str | None = None,
     teacher: TeacherMount | None = None,
+    defaults: PlatformDefaults = PlatformDefaults(),
 ) -> dict[str, Any]:
     """The kubeflow.org/v1 PyTorchJob that runs this resource: one Master, numNodes-1 Workers."""
     spec = obj.spec
-    template = _pod_template(obj, mlflow_tracking_uri=mlflow_tracking_uri, teacher=teacher)
+    template = _pod_template(obj, mlflow_tracking_uri=mlflow_tracking_uri, teacher=teacher, defaults=defaults)
     replica = {"restartPolicy": "OnFailure", "template": template}
     replica_specs: dict[str, Any] = {"Master": {"replicas": 1, **replica}}
     if spec.parallelism.num_nodes > 1:
@@ -238,6 +270,8 @@ def render_pytorchjob(
             "pytorchReplicaSpecs": replica_specs,
         },
     }
+    if defaults.queue_name:
+        job["metadata"]["labels"][defaults.queue_label] = defaults.queue_name
     if obj.metadata.namespace:
         job["metadata"]["namespace"] = obj.metadata.namespace
     if obj.metadata.uid:

@@ -27,6 +27,8 @@ CONFIG_MOUNT_PATH = "/etc/gem"
 CONFIG_FILE_NAME = "config.yaml"
 #: The trainer writes its final report here; Kubernetes copies it into the pod's status.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+#: The trainer image used when a spec names none and the operator is configured with none.
+DEFAULT_TRAINER_IMAGE = "ghcr.io/gem-platform/trainer:0.1.0"
 
 
 class ApiModel(BaseModel):
@@ -242,8 +244,10 @@ class RunPolicySpec(ApiModel):
 class CommonJobSpec(ApiModel):
     """Fields shared by every job kind."""
 
-    image: str = Field(
-        "ghcr.io/gem-platform/trainer:0.1.0", min_length=1, description="Trainer container image."
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description="Trainer container image; empty means the operator's configured trainer image.",
     )
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Gang size and ZeRO stage.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Pod resources and node pool.")

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 
 from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION
-from gem_operator import reconcile
+from gem_operator import metrics, reconcile
 from gem_operator.settings import CONFIG
 
 GEMT = (GROUP, VERSION, KINDS["GEMTraining"]["plural"])
@@ -30,10 +30,19 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
+    metrics.serve(CONFIG.metrics_port)
 
 
 def _reconcile(kind: str, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
-    status = reconcile.reconcile(kind, dict(body), logger)
+    try:
+        status = reconcile.reconcile(kind, dict(body), logger)
+    except kopf.TemporaryError:
+        metrics.RECONCILES.labels(kind, "retry").inc()
+        raise
+    except Exception:
+        metrics.RECONCILES.labels(kind, "error").inc()
+        raise
+    metrics.RECONCILES.labels(kind, "ok").inc()
     if status is not None:
         patch.status.update(status)
 

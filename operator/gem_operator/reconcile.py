@@ -15,11 +15,14 @@ import kopf
 
 from gem.api import render, status as st
 from gem.api.types import KINDS, TERMINAL_PHASES, Phase
-from gem_operator import kube
+from gem_operator import kube, metrics
 from gem_operator.settings import CONFIG
 from gem_operator.validation import InvalidSpec, parse_resource
 
 ANNOTATION_SPEC_HASH = "gem.dev/spec-hash"
+#: The spec.suspend the operator last applied to the job. Only a change of spec.suspend is passed
+#: on, so a queue controller (Kueue) that suspends jobs until admission is never overridden.
+ANNOTATION_REQUESTED_SUSPEND = "gem.dev/requested-suspend"
 #: Spec fields that may change while the job runs; every other change is rejected.
 MUTABLE_FIELDS = frozenset({"suspend"})
 
@@ -126,8 +129,12 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
         )
 
     cm = render.render_config_map(obj, teacher)
-    job = render.render_pytorchjob(obj, mlflow_tracking_uri=CONFIG.mlflow_tracking_uri, teacher=teacher)
-    job["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(body["spec"])
+    job = render.render_pytorchjob(
+        obj, mlflow_tracking_uri=CONFIG.mlflow_tracking_uri, teacher=teacher, defaults=CONFIG.platform_defaults()
+    )
+    job["metadata"].setdefault("annotations", {}).update(
+        {ANNOTATION_SPEC_HASH: spec_hash(body["spec"]), ANNOTATION_REQUESTED_SUSPEND: str(bool(obj.spec.suspend)).lower()}
+    )
     try:
         kube.ensure_config_map(cm)
         _, created = kube.ensure_pytorchjob(job, meta["uid"])
@@ -158,12 +165,19 @@ def _reconcile_running(obj: Any, body: dict[str, Any], job: dict[str, Any], stat
         conds = st.set_condition(conds, "SpecChangeAccepted", "False", "ImmutableFieldChanged", msg)
     elif st.get_condition(status, "SpecChangeAccepted"):
         conds = st.set_condition(conds, "SpecChangeAccepted", "True", "SpecMatchesJob", "spec matches the running job")
-    if not (job.get("status") or {}).get("completionTime"):
-        want = bool(obj.spec.suspend)
-        if bool(job["spec"].get("runPolicy", {}).get("suspend", False)) != want:
-            kube.patch_pytorchjob(meta["namespace"], job["metadata"]["name"], {"spec": {"runPolicy": {"suspend": want}}})
-            _event(body, "Normal", "Suspended" if want else "Resumed", f"set runPolicy.suspend={want} on the PyTorchJob")
-            logger.info("set suspend=%s on %s", want, job["metadata"]["name"])
+    want = str(bool(obj.spec.suspend)).lower()
+    requested = job["metadata"].get("annotations", {}).get(ANNOTATION_REQUESTED_SUSPEND)
+    if requested != want and not (job.get("status") or {}).get("completionTime"):
+        kube.patch_pytorchjob(
+            meta["namespace"],
+            job["metadata"]["name"],
+            {
+                "metadata": {"annotations": {ANNOTATION_REQUESTED_SUSPEND: want}},
+                "spec": {"runPolicy": {"suspend": want == "true"}},
+            },
+        )
+        _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set runPolicy.suspend={want} on the PyTorchJob")
+        logger.info("set suspend=%s on %s", want, job["metadata"]["name"])
     status = {**status, "conditions": conds, "pytorchJob": job["metadata"]["name"], "observedGeneration": meta.get("generation")}
     return {**status, **mirror_job(status, job, body, logger)}
 
@@ -203,6 +217,7 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         kind = parent.get("kind", "")
         _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}")
         logger.info("phase %s -> %s", status.get("phase"), phase)
+        metrics.TRANSITIONS.labels(kind, phase).inc()
     out["phase"], out["message"] = phase, message
     return out
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from gem.api import render
+from gem.api.types import DEFAULT_TRAINER_IMAGE
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -16,7 +19,24 @@ class OperatorConfig:
     resync_seconds: float = 30.0
     #: How often (seconds) a LoopFMDistill re-checks a teacher that is not ready yet.
     teacher_poll_seconds: float = 5.0
+    #: Trainer image for specs that name none.
+    trainer_image: str | None = None
+    #: Secret with MLflow credentials for specs that name none (a name only: never read).
+    mlflow_credentials_secret: str | None = None
+    #: Kueue LocalQueue every PyTorchJob is labelled for (none: Kueue not used).
+    kueue_queue_name: str | None = None
+    kueue_queue_label: str = "kueue.x-k8s.io/queue-name"
+    #: Port of the Prometheus /metrics endpoint (0: off).
+    metrics_port: int = 0
     namespaces: tuple[str, ...] = field(default_factory=tuple)
+
+    def platform_defaults(self) -> render.PlatformDefaults:
+        return render.PlatformDefaults(
+            trainer_image=self.trainer_image or DEFAULT_TRAINER_IMAGE,
+            mlflow_credentials_secret=self.mlflow_credentials_secret,
+            queue_name=self.kueue_queue_name,
+            queue_label=self.kueue_queue_label,
+        )
 
     @classmethod
     def from_env(cls) -> "OperatorConfig":
@@ -25,6 +45,11 @@ class OperatorConfig:
             mlflow_ui_url=os.environ.get("GEM_MLFLOW_UI_URL") or None,
             resync_seconds=float(os.environ.get("GEM_RESYNC_SECONDS", "30")),
             teacher_poll_seconds=float(os.environ.get("GEM_TEACHER_POLL_SECONDS", "5")),
+            trainer_image=os.environ.get("GEM_TRAINER_IMAGE") or None,
+            mlflow_credentials_secret=os.environ.get("GEM_MLFLOW_CREDENTIALS_SECRET") or None,
+            kueue_queue_name=os.environ.get("GEM_KUEUE_QUEUE_NAME") or None,
+            kueue_queue_label=os.environ.get("GEM_KUEUE_QUEUE_LABEL") or "kueue.x-k8s.io/queue-name",
+            metrics_port=int(os.environ.get("GEM_METRICS_PORT") or 0),
         )
 
 

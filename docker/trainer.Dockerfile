@@ -1,0 +1,39 @@
+# syntax=docker/dockerfile:1
+# The gem-platform trainer: torch + CUDA + DeepSpeed + MLflow and the `gem` package.
+#
+#   docker build -f docker/trainer.Dockerfile -t ghcr.io/gem-platform/trainer:0.1.0 .
+#
+# The PyTorchJob the operator renders runs
+#   torchrun --nnodes=... --node-rank=... -m gem train --config /etc/gem/config.yaml
+# as the container command, so `torchrun` (from the base image) must be on PATH. ENTRYPOINT is
+# `gem` for direct use: `docker run IMAGE train --config /etc/gem/config.yaml`.
+#
+# The -devel flavour carries nvcc, which DeepSpeed needs to JIT-compile its fused ops.
+# torch comes from the base image and is held at its version by a constraint, so
+# `pip install .[train]` never swaps it for another build.
+ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-devel
+FROM ${BASE_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /opt/gem/src
+# .dockerignore lets only the package sources through (pyproject.toml, README.md, gem/, operator/, sdk/).
+COPY . .
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
+ && pip install --constraint /tmp/torch-constraint.txt ".[train]" \
+ && rm /tmp/torch-constraint.txt \
+ && command -v torchrun \
+ && python -c "import gem, torch, deepspeed, mlflow"
+
+RUN groupadd --gid 10001 gem \
+ && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/gem --shell /bin/bash gem \
+ && mkdir -p /var/lib/gem/checkpoints \
+ && chown -R 10001:10001 /var/lib/gem
+# Torch, Triton and DeepSpeed caches (compiled kernels, extensions) go under $HOME.
+ENV HOME=/home/gem
+WORKDIR /home/gem
+USER 10001:10001
+ENTRYPOINT ["gem"]
+CMD ["--help"]

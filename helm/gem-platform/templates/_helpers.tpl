@@ -1,0 +1,94 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "gem-platform.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release>-<chart>, unless the release name already contains the chart name. */}}
+{{- define "gem-platform.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gem-platform.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gem-platform.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gem-platform.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "gem-platform.labels" -}}
+helm.sh/chart: {{ include "gem-platform.chart" . }}
+{{ include "gem-platform.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gem-platform
+{{- end -}}
+
+{{- define "gem-platform.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gem-platform.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator image: repository@digest, else repository:tag (tag defaults to appVersion). */}}
+{{- define "gem-platform.operatorImage" -}}
+{{- $img := .Values.operator.image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gem-platform.trainerImage" -}}
+{{- printf "%s:%s" .Values.trainer.image.repository (default .Chart.AppVersion .Values.trainer.image.tag) -}}
+{{- end -}}
+
+{{/* Namespaces that get a Role (namespaced RBAC) or a LocalQueue: watchNamespaces, else the release's. */}}
+{{- define "gem-platform.targetNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- toJson (uniq .Values.watchNamespaces) -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The metrics Service exists when asked for, or when a ServiceMonitor needs it. */}}
+{{- define "gem-platform.metricsService" -}}
+{{- if or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The operator's RBAC rules: files/rbac-rules.yaml, the one table that equals
+gem_operator.kube.RBAC_RULES (tests/test_helm_chart.py keeps them equal).
+"gem-platform.rbacRules" takes (dict "ctx" $ "scope" "namespaced"|"cluster"|"all") and returns
+the rules on namespaced resources, on cluster-scoped resources, or all of them.
+*/}}
+{{- define "gem-platform.rbacRules" -}}
+{{- $table := .ctx.Files.Get "files/rbac-rules.yaml" | fromYaml -}}
+{{- $clusterScoped := $table.clusterScopedResources -}}
+{{- $out := list -}}
+{{- range $rule := $table.rules -}}
+{{- $isCluster := true -}}
+{{- range $res := $rule.resources -}}
+{{- if not (has $res $clusterScoped) -}}{{- $isCluster = false -}}{{- end -}}
+{{- end -}}
+{{- if or (eq $.scope "all") (and (eq $.scope "cluster") $isCluster) (and (eq $.scope "namespaced") (not $isCluster)) -}}
+{{- $out = append $out $rule -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}

@@ -1,0 +1,437 @@
+"""The Helm chart (helm/gem-platform), rendered and linted offline.
+
+Helm itself runs in-process: `helm-python-sdk` ships libhelm_c (Helm v4's Go SDK behind a C ABI),
+so no `helm` binary and no cluster are needed. Rendered built-in kinds are checked against the
+Kubernetes OpenAPI schemas bundled in `kubernetes-validate`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (in the dev extra)")
+kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (in the dev extra)")
+
+from gem_operator.__main__ import parse_args  # noqa: E402
+from gem_operator.kube import RBAC_RULES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART_DIR = ROOT / "helm" / "gem-platform"
+RELEASE, NAMESPACE = "gem-platform", "gem-system"
+#: Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schemas bundled.
+KUBE_VERSIONS = ["1.27.0", kv.latest_version()]
+#: Kinds kubernetes-validate has no schema for (CRD instances); they are checked by hand below.
+CUSTOM_KINDS = {"ServiceMonitor", "LocalQueue"}
+
+
+@functools.cache
+def chart() -> Any:
+    return helm.Chart.load(str(CHART_DIR))
+
+
+def render(values: dict[str, Any] | None = None, *, upgrade: bool = False) -> list[dict[str, Any]]:
+    """`helm template` of the chart: every object it would apply (NOTES.txt and CRDs aside)."""
+    out = chart().render(
+        values, name=RELEASE, namespace=NAMESPACE, is_install=not upgrade, is_upgrade=upgrade, revision=2 if upgrade else 1
+    )
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    out = chart().render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def triples(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def granted(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[tuple[str, str, str]]]:
+    """(kind, namespace) of each role -> the (apiGroup, resource, verb) triples it grants."""
+    return {
+        (d["kind"], d["metadata"].get("namespace", "")): triples(d["rules"])
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole")
+    }
+
+
+def validate_builtin(docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: {e.message}")
+
+
+NAMESPACED = {"rbac": {"scope": "namespaced"}, "watchNamespaces": ["team-a", "team-b"]}
+
+
+# --------------------------------------------------------------------------- lint and render
+
+
+def test_chart_metadata_matches_the_project() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    meta = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert meta["apiVersion"] == "v2" and meta["name"] == "gem-platform"
+    assert meta["appVersion"] == project["version"], "Chart.yaml appVersion must follow pyproject's version"
+
+
+@pytest.mark.parametrize("values", [None, NAMESPACED], ids=["default", "namespaced"])
+def test_lint_is_clean(values: dict[str, Any] | None) -> None:
+    report = helm.lint(str(CHART_DIR), values, strict=True, namespace=NAMESPACE, kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+def test_lint_reports_bad_values() -> None:
+    report = helm.lint(str(CHART_DIR), {"rbac": {"scope": "everywhere"}}, strict=True, namespace=NAMESPACE)
+    assert any(m["severity"] == 3 for m in report["messages"]) or report["errors"], report
+
+
+def test_default_render_is_valid_kubernetes() -> None:
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ConfigMap"]
+    ), kinds
+    validate_builtin(docs)
+    for d in docs:
+        labels = d["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE and labels["app.kubernetes.io/part-of"] == "gem-platform"
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == NAMESPACE
+
+
+def test_upgrade_render_equals_install_render() -> None:
+    assert render(upgrade=True) == render()
+
+
+def test_no_secret_is_rendered_or_read() -> None:
+    values = {"mlflow": {"trackingUri": "http://mlflow.mlflow:5000", "credentialsSecret": "mlflow-credentials"}}
+    for docs in (render(values), render({**values, **NAMESPACED})):
+        assert not by_kind(docs, "Secret")
+        text = json.dumps(docs)
+        assert "secretKeyRef" not in text and "secretRef" not in text
+        assert all(r != "secrets" for _, r, _ in set().union(*granted(docs).values()))
+
+
+# --------------------------------------------------------------------------- CRDs
+
+
+def test_chart_crds_equal_manifests_crds() -> None:
+    chart_crds = {Path(f["name"]).name: f["data"] for f in chart().crds}
+    manifests = {p.name: p.read_text() for p in sorted((ROOT / "manifests" / "crds").glob("*.yaml"))}
+    assert chart_crds, "the chart has no crds/"
+    assert sorted(chart_crds) == sorted(manifests), "run `python helm/generate.py` (or `make crds`)"
+    for name, text in manifests.items():
+        assert chart_crds[name] == text, f"helm/gem-platform/crds/{name} is stale: run `python helm/generate.py`"
+
+
+def test_chart_crds_are_what_the_types_render() -> None:
+    from gem.api.crds import render_all
+
+    assert {Path(f["name"]).name: f["data"] for f in chart().crds} == render_all()
+
+
+def test_crds_are_valid_and_never_templated() -> None:
+    for f in chart().crds:
+        assert "{{" not in f["data"], "crds/ is not templated by Helm"
+        crd = yaml.safe_load(f["data"])
+        validate_builtin([crd])
+        assert "helm.sh/resource-policy" not in crd["metadata"].get("annotations", {})
+    # Templates never carry CRDs (Helm would then delete them on uninstall, and the data with them).
+    for values in (None, NAMESPACED):
+        assert not by_kind(render(values), "CustomResourceDefinition")
+
+
+def test_generated_files_are_fresh() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "helm" / "generate.py"), "--check"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# --------------------------------------------------------------------------- RBAC
+
+
+def test_rbac_table_equals_operator_rules() -> None:
+    table = yaml.safe_load((CHART_DIR / "files" / "rbac-rules.yaml").read_text())
+    assert table["rules"] == RBAC_RULES
+
+
+def test_cluster_rbac_is_exactly_rbac_rules() -> None:
+    docs = render()
+    role = one(docs, "ClusterRole")
+    assert role["rules"] == RBAC_RULES
+    binding = one(docs, "ClusterRoleBinding")
+    sa = one(docs, "ServiceAccount")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+
+
+def test_namespaced_rbac_splits_rbac_rules() -> None:
+    docs = render(NAMESPACED)
+    grants = granted(docs)
+    roles = {ns: g for (kind, ns), g in grants.items() if kind == "Role"}
+    assert sorted(roles) == ["team-a", "team-b"]
+    cluster = grants[("ClusterRole", "")]
+    # Only the read-only rules on cluster-scoped resources are cluster-wide ...
+    assert {r for _, r, _ in cluster} == {"customresourcedefinitions", "namespaces"}
+    assert {v for _, _, v in cluster} <= {"get", "list", "watch"}
+    # ... and each namespace gets the rest: together, exactly RBAC_RULES.
+    for ns, grant in roles.items():
+        assert grant | cluster == triples(RBAC_RULES), ns
+        assert not grant & cluster
+    bindings = {d["metadata"]["namespace"]: d for d in by_kind(docs, "RoleBinding")}
+    assert sorted(bindings) == ["team-a", "team-b"]
+    for b in bindings.values():
+        assert b["roleRef"]["kind"] == "Role"
+        assert b["subjects"][0]["namespace"] == NAMESPACE
+    validate_builtin(docs)
+
+
+def test_rbac_grants_nothing_dangerous() -> None:
+    everything = set().union(*granted(render()).values(), *granted(render(NAMESPACED)).values())
+    resources = {r for _, r, _ in everything}
+    verbs = {v for _, _, v in everything}
+    assert "*" not in resources | verbs | {g for g, _, _ in everything}
+    assert not resources & {"secrets", "pods/exec", "pods/attach", "pods/portforward", "serviceaccounts/token", "nodes"}
+    assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
+    assert all(r.endswith("/status") or "/" not in r for r in resources)
+
+
+def test_rbac_create_false_renders_no_rbac() -> None:
+    docs = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
+    assert not granted(docs) and not by_kind(docs, "ServiceAccount")
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def test_plain_rbac_manifests_equal_rbac_rules() -> None:
+    rbac = ROOT / "manifests" / "rbac"
+    docs = [d for p in sorted(rbac.glob("*.yaml")) if p.name != "kustomization.yaml" for d in yaml.safe_load_all(p.read_text()) if d]
+    assert one(docs, "ClusterRole")["rules"] == RBAC_RULES
+    sa, binding = one(docs, "ServiceAccount"), one(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": sa["metadata"]["namespace"]}]
+    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    validate_builtin(docs)
+    kustomization = yaml.safe_load((rbac / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in rbac.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_plain_rbac_builds_with_kustomize() -> None:
+    proc = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests" / "rbac")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout) if d)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Namespace", "ServiceAccount"]
+
+
+# --------------------------------------------------------------------------- the operator Deployment
+
+
+def test_deployment_runs_one_operator_safely() -> None:
+    docs = render()
+    dep = one(docs, "Deployment")
+    spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = operator_container(docs)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # The root filesystem is read-only: /tmp is a writable emptyDir.
+    (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == tmp["name"]]
+    assert "emptyDir" in vol
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+
+
+def test_probes_hit_kopfs_liveness_endpoint() -> None:
+    c = operator_container(render())
+    args = parse_args(c["args"])  # the operator's own parser accepts what the chart passes
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert args.peering is None, "one replica, standalone: kopf peering would need RBAC the operator does not have"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    for probe in (c["livenessProbe"], c["readinessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+@pytest.mark.parametrize(
+    ("watch", "expected"),
+    [([], {"all_namespaces": True, "namespace": []}), (["team-a", "team-b"], {"all_namespaces": False, "namespace": ["team-a", "team-b"]})],
+)
+def test_watch_namespaces_become_operator_flags(watch: list[str], expected: dict[str, Any]) -> None:
+    args = parse_args(operator_container(render({"watchNamespaces": watch}))["args"])
+    assert {"all_namespaces": args.all_namespaces, "namespace": args.namespace} == expected
+
+
+def test_operator_environment() -> None:
+    values = {
+        "mlflow": {"trackingUri": "http://mlflow.mlflow.svc:5000", "uiUrl": "https://mlflow.example.com", "credentialsSecret": "mlflow-creds"},
+        "operator": {"resyncSeconds": 15, "verbose": True},
+        "kueue": {"enabled": True, "queueName": "ads"},
+    }
+    c = operator_container(render(values))
+    env = env_of(c)
+    assert env["GEM_MLFLOW_TRACKING_URI"] == "http://mlflow.mlflow.svc:5000"
+    assert env["GEM_MLFLOW_UI_URL"] == "https://mlflow.example.com"
+    assert env["GEM_MLFLOW_CREDENTIALS_SECRET"] == "mlflow-creds"  # a name, not a secret
+    assert env["GEM_RESYNC_SECONDS"] == "15" and env["GEM_TEACHER_POLL_SECONDS"] == "5"
+    assert env["GEM_KUEUE_QUEUE_NAME"] == "ads" and env["GEM_KUEUE_QUEUE_LABEL"] == "kueue.x-k8s.io/queue-name"
+    assert env["GEM_METRICS_PORT"] == "9090"
+    assert env["GEM_TRAINER_IMAGE"] == "ghcr.io/gem-platform/trainer:0.1.0"
+    assert parse_args(c["args"]).verbose is True
+
+    # The values reach the operator's own configuration.
+    from gem_operator.settings import OperatorConfig
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        for k, v in env.items():
+            if isinstance(v, str):
+                m.setenv(k, v)
+        cfg = OperatorConfig.from_env()
+    assert cfg.mlflow_tracking_uri == "http://mlflow.mlflow.svc:5000" and cfg.resync_seconds == 15.0
+    assert cfg.mlflow_ui_url == "https://mlflow.example.com"
+
+    bare = env_of(operator_container(render()))
+    assert not {"GEM_MLFLOW_TRACKING_URI", "GEM_MLFLOW_UI_URL", "GEM_MLFLOW_CREDENTIALS_SECRET", "GEM_KUEUE_QUEUE_NAME"} & set(bare)
+
+
+def test_image_references() -> None:
+    assert operator_container(render())["image"] == "ghcr.io/gem-platform/operator:0.1.0"
+    assert operator_container(render({"operator": {"image": {"tag": "0.2.0-rc1"}}}))["image"].endswith(":0.2.0-rc1")
+    digest = "sha256:" + "a" * 64
+    assert operator_container(render({"operator": {"image": {"digest": digest}}}))["image"] == f"ghcr.io/gem-platform/operator@{digest}"
+
+
+def test_trainer_default_matches_the_crd_default() -> None:
+    from gem.api.types import DEFAULT_TRAINER_IMAGE
+
+    cm = one(render(), "ConfigMap")
+    assert cm["data"]["trainerImage"] == DEFAULT_TRAINER_IMAGE
+    pools = yaml.safe_load(cm["data"]["nodePools.yaml"])
+    assert cm["data"]["trainerNodePool"] in pools
+
+
+def test_operator_node_pool_placement() -> None:
+    values = {
+        "nodePools": {"system": {"nodeSelector": {"pool": "system"}, "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}]}},
+        "trainer": {"nodePool": ""},
+        "operator": {"nodePool": "system", "nodeSelector": {"zone": "a"}},
+    }
+    pod = one(render(values), "Deployment")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "system", "zone": "a"}
+    assert pod["tolerations"] == [{"effect": "NoSchedule", "key": "system", "operator": "Exists"}]
+
+
+# --------------------------------------------------------------------------- every combination of the toggles
+
+TOGGLES = list(itertools.product(["cluster", "namespaced"], [False, True], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize(("scope", "service_monitor", "kueue", "service"), TOGGLES)
+def test_every_toggle_combination_renders(scope: str, service_monitor: bool, kueue: bool, service: bool) -> None:
+    values: dict[str, Any] = {
+        "rbac": {"scope": scope},
+        "metrics": {"service": {"enabled": service}, "serviceMonitor": {"enabled": service_monitor, "labels": {"release": "prom"}}},
+        "kueue": {"enabled": kueue, "clusterQueue": "cluster-queue" if kueue else ""},
+    }
+    if scope == "namespaced":
+        values["watchNamespaces"] = ["team-a", "team-b"]
+    docs = render(values)
+    validate_builtin(docs)
+    keys = [(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), "duplicate objects"
+
+    # Metrics: the Service exists when asked for or when a ServiceMonitor needs it.
+    services = by_kind(docs, "Service")
+    assert len(services) == (1 if service or service_monitor else 0)
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert len(monitors) == (1 if service_monitor else 0)
+    if monitors:
+        (svc,), (sm,) = services, monitors
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert sm["metadata"]["labels"]["release"] == "prom"
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    for svc in services:
+        assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+        pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+
+    # Kueue: the operator is told the queue; LocalQueues in each served namespace.
+    env = env_of(operator_container(docs))
+    assert ("GEM_KUEUE_QUEUE_NAME" in env) == kueue
+    queues = by_kind(docs, "LocalQueue")
+    if kueue:
+        expected_ns = ["team-a", "team-b"] if scope == "namespaced" else [NAMESPACE]
+        assert sorted(q["metadata"]["namespace"] for q in queues) == expected_ns
+        assert all(q["spec"] == {"clusterQueue": "cluster-queue"} and q["metadata"]["name"] == "gem" for q in queues)
+        assert all(q["apiVersion"] == "kueue.x-k8s.io/v1beta1" for q in queues)
+    else:
+        assert not queues
+
+    # RBAC: exactly RBAC_RULES in every case.
+    grants = granted(docs)
+    if scope == "cluster":
+        assert one(docs, "ClusterRole")["rules"] == RBAC_RULES
+    else:
+        for (kind, ns), g in grants.items():
+            if kind == "Role":
+                assert g | grants[("ClusterRole", "")] == triples(RBAC_RULES), ns
+
+
+# --------------------------------------------------------------------------- NOTES.txt
+
+
+def test_notes_say_what_to_do_next() -> None:
+    text = notes({"mlflow": {"trackingUri": "http://mlflow:5000", "credentialsSecret": "mlflow-creds"}, "kueue": {"enabled": True}})
+    for needle in ("kubectl -n", "apply -f manifests/samples/gemtraining.yaml", "gemctl submit", "describe gemtraining",
+                   "mlflow-creds", "kueue.x-k8s.io/queue-name=gem", "crds/", "docs/operations.md"):
+        assert needle in text, needle
+    assert "team-a" in notes(NAMESPACED)

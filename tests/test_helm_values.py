@@ -1,0 +1,129 @@
+"""values.schema.json: bad values fail `helm install/upgrade/template` with the key's name, good ones pass."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (in the dev extra)")
+
+CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "gem-platform"
+SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
+DEFAULTS = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+
+
+@functools.cache
+def chart() -> Any:
+    return helm.Chart.load(str(CHART_DIR))
+
+
+def render(values: dict[str, Any]) -> dict[str, str]:
+    return chart().render(values, name="gem-platform", namespace="gem-system", is_install=True)
+
+
+def test_schema_is_valid_draft7_and_accepts_the_defaults() -> None:
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    jsonschema.Draft7Validator(SCHEMA).validate(DEFAULTS)
+    chart().validate_schema(None)
+
+
+def test_every_default_key_is_declared() -> None:
+    """additionalProperties: false all the way down, so every default must be in the schema."""
+
+    def walk(values: Any, schema: dict[str, Any], path: str) -> None:
+        if not isinstance(values, dict) or "properties" not in schema:
+            return
+        for key, value in values.items():
+            assert key in schema["properties"], f"{path}{key} is in values.yaml but not in values.schema.json"
+            walk(value, schema["properties"][key], f"{path}{key}.")
+
+    walk(DEFAULTS, SCHEMA, "")
+
+
+# (values, what the error must name)
+BAD_VALUES = [
+    ({"rbac": {"scope": "everywhere"}}, "/rbac/scope"),
+    ({"rbacc": {"scope": "cluster"}}, "rbacc"),  # a typo at the top
+    ({"operator": {"imagee": {}}}, "imagee"),  # a typo below
+    ({"rbac": {"scope": "namespaced"}}, "/watchNamespaces"),  # namespaced RBAC needs namespaces
+    ({"watchNamespaces": ["Team_A"]}, "/watchNamespaces/0"),
+    ({"watchNamespaces": ["a", "a"]}, "/watchNamespaces"),
+    ({"watchNamespaces": "team-a"}, "/watchNamespaces"),
+    ({"operator": {"image": {"digest": "sha256:abc"}}}, "/operator/image/digest"),
+    ({"operator": {"image": {"tag": "has space"}}}, "/operator/image/tag"),
+    ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
+    ({"operator": {"resyncSeconds": 0}}, "/operator/resyncSeconds"),
+    ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "/operator/resources/requests/cpu"),
+    ({"operator": {"health": {"port": 70000}}}, "/operator/health/port"),
+    ({"operator": {"health": {"path": "healthz"}}}, "/operator/health/path"),
+    # The restricted security context cannot be relaxed.
+    ({"operator": {"securityContext": {"readOnlyRootFilesystem": False}}}, "/operator/securityContext/readOnlyRootFilesystem"),
+    ({"operator": {"securityContext": {"allowPrivilegeEscalation": True}}}, "/operator/securityContext/allowPrivilegeEscalation"),
+    ({"operator": {"securityContext": {"runAsNonRoot": False}}}, "/operator/securityContext/runAsNonRoot"),
+    ({"operator": {"securityContext": {"privileged": True}}}, "/operator/securityContext/privileged"),
+    ({"operator": {"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}}, "/operator/securityContext/capabilities/drop"),
+    ({"operator": {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}}, "/operator/securityContext/capabilities/add"),
+    ({"operator": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}}, "/operator/securityContext/seccompProfile/type"),
+    ({"operator": {"podSecurityContext": {"runAsUser": 0}}}, "/operator/podSecurityContext/runAsUser"),
+    ({"mlflow": {"trackingUri": "http://user:password@mlflow:5000"}}, "/mlflow/trackingUri"),
+    ({"mlflow": {"trackingUri": "https://token@mlflow.example.com"}}, "/mlflow/trackingUri"),
+    ({"mlflow": {"credentialsSecret": "Not_A_Name"}}, "/mlflow/credentialsSecret"),
+    ({"mlflow": {"password": "hunter2"}}, "password"),  # no place for credentials in values
+    ({"kueue": {"enabled": "yes"}}, "/kueue/enabled"),
+    ({"kueue": {"queueName": "Bad Queue"}}, "/kueue/queueName"),
+    ({"metrics": {"port": 0}}, "/metrics/port"),
+    ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
+    ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
+    ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create"),
+    ({"nodePools": {"GPU": {}}}, "invalid propertyName 'GPU'"),
+    ({"nodePools": {"gpu": {"nodeSelector": {"a": 1}}}}, "/nodePools/gpu/nodeSelector/a"),
+    ({"nodePools": {"gpu": {"tolerations": [{"operator": "Maybe"}]}}}, "/nodePools/gpu/tolerations/0/operator"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES, ids=[w for _, w in BAD_VALUES])
+def test_bad_values_are_rejected(values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(values)
+    assert where in str(e.value), str(e.value)
+
+
+# Mistakes the schema cannot see (they relate two values); the templates refuse them.
+BAD_COMBINATIONS = [
+    ({"operator": {"nodePool": "system"}}, 'operator.nodePool "system" is not a key of nodePools'),
+    ({"trainer": {"nodePool": "tpu"}}, 'trainer.nodePool "tpu" is not a key of nodePools'),
+    ({"metrics": {"port": 8080}}, "operator.health.port and metrics.port are both 8080"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_COMBINATIONS)
+def test_inconsistent_values_fail_rendering(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError) as e:
+        render(values)
+    assert message in str(e.value)
+
+
+GOOD_VALUES = [
+    {"mlflow": {"trackingUri": "http://mlflow.mlflow.svc.cluster.local:5000"}},
+    {"mlflow": {"trackingUri": "https://mlflow.example.com/api?x=1", "uiUrl": "https://mlflow.example.com"}},
+    {"mlflow": {"trackingUri": "databricks"}},
+    {"mlflow": {"trackingUri": "file:///mnt/mlruns"}},
+    {"mlflow": {"credentialsSecret": "mlflow-credentials"}},
+    {"operator": {"image": {"digest": "sha256:" + "0" * 64}}},
+    {"operator": {"resources": {"requests": {"cpu": 1, "memory": "1.5Gi"}, "limits": {"cpu": "500m"}}}},
+    {"operator": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]}},
+    {"watchNamespaces": ["team-a"], "rbac": {"scope": "namespaced"}},
+    {"global": {"imageRegistry": "mirror.example.com"}},
+    {"nodePools": {}, "trainer": {"nodePool": ""}},
+]
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES)
+def test_good_values_render(values: dict[str, Any]) -> None:
+    assert render(values)
