@@ -8,6 +8,7 @@ ClusterRole in manifests/ and the Helm chart are checked: nothing else may be ca
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import kubernetes
@@ -125,5 +126,9 @@ def patch_pytorchjob(namespace: str, name: str, patch: dict[str, Any]) -> None:
 
 
 def list_job_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
-    pods = core().list_namespaced_pod(namespace, label_selector=f"training.kubeflow.org/job-name={job_name}")
-    return [_api_client().sanitize_for_serialization(p) for p in pods.items]
+    # Raw JSON, not the client's models: they reject pods that newer kubelets or other
+    # runtimes report with fields they consider required (a known strictness of the client).
+    resp = core().list_namespaced_pod(
+        namespace, label_selector=f"training.kubeflow.org/job-name={job_name}", _preload_content=False
+    )
+    return json.loads(resp.data)["items"]
