@@ -202,3 +202,23 @@ def test_api_sdk_and_operator_rendering_stay_torch_free():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_queue_priority_and_platform_defaults_reach_the_job():
+    obj = _gemt(scheduling={"queueName": "team-a", "priorityClassName": "high"})
+    defaults = render.PlatformDefaults(trainer_image="registry/trainer:1", queue_name="default-q",
+                                       mlflow_credentials_secret="mlflow-creds")
+    job = render.render_pytorchjob(obj, defaults=defaults)
+    jsonschema.validate(job, _pytorchjob_schema())
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"priorityClass": "high"}
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["priorityClassName"] == "high"
+    assert pod["containers"][0]["image"] == "registry/trainer:1"
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "mlflow-creds"}}]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+    plain = render.render_pytorchjob(_gemt(image="mine:2"), defaults=defaults)
+    assert plain["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default-q"
+    assert plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"] == "mine:2"
+    assert "kueue.x-k8s.io/queue-name" not in render.render_pytorchjob(_gemt())["metadata"]["labels"]

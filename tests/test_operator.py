@@ -345,3 +345,93 @@ def test_deleting_a_resource_garbage_collects_its_children(cluster, operator, ap
     wait_phase(cluster, "GEMTraining", "temp", "Created")
     api.delete_namespaced_custom_object(GROUP, VERSION, "default", "gemtrainings", "temp")
     wait_for(lambda: not jobs(cluster) and not cluster.get("v1", "ConfigMap", "temp-train-config"), what="GC")
+
+
+def test_a_deleted_teacher_fails_the_waiting_distillation(cluster, operator, api):
+    create(api, gemtraining("short-lived"))
+    create(api, distill("left-behind", {"gemTraining": "short-lived"}))
+    wait_for(
+        lambda: (s := status_of(cluster, "LoopFMDistill", "left-behind"))
+        and (condition(s, "TeacherReady") or {}).get("reason") == "TeacherNotSucceeded",
+        what="teacher seen",
+    )
+    api.delete_namespaced_custom_object(GROUP, VERSION, "default", "gemtrainings", "short-lived")
+    status = wait_phase(cluster, "LoopFMDistill", "left-behind", "Failed")
+    assert condition(status, "TeacherReady")["reason"] == "TeacherDeleted"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_count_resources_by_phase_and_reconciles(cluster, api, tmp_path):
+    import urllib.request
+
+    port = _free_port()
+    op = Operator(cluster.kubeconfig_path, tmp_path / "op.log")
+    os.environ["GEM_METRICS_PORT"] = str(port)
+    try:
+        op.start()
+    finally:
+        del os.environ["GEM_METRICS_PORT"]
+    try:
+        create(api, gemtraining("counted"))
+        create(api, gemtraining("counted-too"))
+        wait_phase(cluster, "GEMTraining", "counted-too", "Created")
+        wait_phase(cluster, "GEMTraining", "counted", "Created")
+
+        def scrape() -> str:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return text if 'gem_operator_resources{kind="GEMTraining",phase="Created"} 2.0' in text else ""
+
+        text = wait_for(scrape, what="phase gauge")
+        assert 'gem_operator_reconciles_total{kind="GEMTraining",result="ok"}' in text
+    finally:
+        op.stop()
+
+
+def test_peered_replicas_never_both_act_and_a_standby_takes_over(cluster, api, tmp_path):
+    for doc in yaml.safe_load_all((ROOT / "manifests/peering/kopf-peering.yaml").read_text()):
+        if doc["kind"] == "CustomResourceDefinition":
+            cluster.apply_crd(doc)
+    cluster.create("kopf.dev/v1", "KopfPeering", {"metadata": {"name": "gem-operator"}})
+    os.environ["GEM_PEERING_LIFETIME"] = "3"
+    try:
+        active = Operator(cluster.kubeconfig_path, tmp_path / "active.log")
+        standby = Operator(cluster.kubeconfig_path, tmp_path / "standby.log")
+        _start_with(active, ["--peering", "gem-operator", "--priority", "200"])
+        _start_with(standby, ["--peering", "gem-operator", "--priority", "100"])
+    finally:
+        del os.environ["GEM_PEERING_LIFETIME"]
+    try:
+        wait_for(
+            lambda: len((cluster.get("kopf.dev/v1", "KopfPeering", "gem-operator") or {}).get("status") or {}) == 2,
+            timeout=30,
+            what="both replicas announced in the peering object",
+        )
+        create(api, gemtraining("peered"))
+        wait_phase(cluster, "GEMTraining", "peered", "Created")
+        assert "created PyTorchJob" in (tmp_path / "active.log").read_text()
+        assert "created PyTorchJob" not in (tmp_path / "standby.log").read_text()
+
+        active.stop()  # a crash: its peering record expires after its lifetime
+        create(api, gemtraining("after-failover"))
+        wait_phase(cluster, "GEMTraining", "after-failover", "Created", timeout=45)
+        assert "created PyTorchJob" in (tmp_path / "standby.log").read_text()
+        assert sorted(j["metadata"]["name"] for j in jobs(cluster)) == ["after-failover-train", "peered-train"]
+    finally:
+        active.stop()
+        standby.stop()
+
+
+def _start_with(op: Operator, extra: list[str]) -> None:
+    env = {**os.environ, "GEM_RESYNC_SECONDS": "2"}
+    with open(op.log, "ab") as out:
+        op.proc = subprocess.Popen(
+            [sys.executable, "-m", "gem_operator", "--kubeconfig", str(op.kubeconfig), "-n", "default", *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )

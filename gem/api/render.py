@@ -230,6 +230,8 @@ def _pod_template(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
@@ -270,8 +272,13 @@ def render_pytorchjob(
             "pytorchReplicaSpecs": replica_specs,
         },
     }
-    if defaults.queue_name:
-        job["metadata"]["labels"][defaults.queue_label] = defaults.queue_name
+    queue = spec.scheduling.queue_name or defaults.queue_name
+    if queue:
+        job["metadata"]["labels"][defaults.queue_label] = queue
+    if spec.scheduling.priority_class_name:
+        # The training operator's gang scheduling and Kueue's workload priority both read it.
+        run_policy["schedulingPolicy"] = {"priorityClass": spec.scheduling.priority_class_name}
+        job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = spec.scheduling.priority_class_name
     if obj.metadata.namespace:
         job["metadata"]["namespace"] = obj.metadata.namespace
     if obj.metadata.uid:

@@ -233,6 +233,19 @@ class MLflowSpec(ApiModel):
         return self
 
 
+class SchedulingSpec(ApiModel):
+    """Where and in which order the gang is admitted: Kueue queue and priority."""
+
+    queue_name: str | None = Field(
+        None,
+        description="Kueue LocalQueue to submit the job to (label kueue.x-k8s.io/queue-name); "
+        "empty means the operator's default queue, if any.",
+    )
+    priority_class_name: str | None = Field(
+        None, description="PriorityClass of the pods (and Kueue workload priority): who is preempted first."
+    )
+
+
 class RunPolicySpec(ApiModel):
     backoff_limit: int = Field(3, ge=0, le=100, description="Restarts of the whole gang before the job fails.")
     active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this long.")
@@ -254,6 +267,7 @@ class CommonJobSpec(ApiModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint location and cadence.")
     mlflow: MLflowSpec = Field(default_factory=MLflowSpec, description="Experiment tracking.")
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="Retries, deadline, cleanup.")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Queue and priority.")
     suspend: bool = Field(False, description="Suspend the job: pods are stopped; resuming continues from the last checkpoint.")
 
 

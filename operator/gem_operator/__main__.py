@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import logging
 import os
 
@@ -16,6 +17,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--liveness", default=None, help="Serve liveness on this URL, e.g. http://0.0.0.0:8080/healthz.")
     p.add_argument(
         "--peering", default=None, help="Peering object name: replicas that share one never act at once (default: standalone)."
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="Peering priority: the highest-priority replica acts, the others wait (default: random).",
     )
     p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow URI given to trainer pods (or $GEM_MLFLOW_TRACKING_URI).")
     p.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
@@ -39,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         namespaces=args.namespace,
         standalone=args.peering is None,
         peering_name=args.peering,
+        # Replicas with equal priorities would all freeze: give each its own unless told.
+        priority=args.priority if args.priority is not None else random.randint(1, 10_000),
         liveness_endpoint=args.liveness,
     )
 

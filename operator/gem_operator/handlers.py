@@ -30,6 +30,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
+    settings.peering.lifetime = CONFIG.peering_lifetime
     metrics.serve(CONFIG.metrics_port)
 
 
@@ -59,6 +60,12 @@ def gemtraining_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger,
 @kopf.on.update(*LFD)
 def loopfmdistill_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
     _reconcile("LoopFMDistill", body, patch, logger)
+
+
+@kopf.on.event(*GEMT)
+@kopf.on.event(*LFD)
+def count_phases(type: str, body: kopf.Body, **_: Any) -> None:
+    metrics.observe_phase(body.get("kind", ""), body["metadata"].get("uid", ""), None if type == "DELETED" else (body.get("status") or {}).get("phase") or "Pending")
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels=MANAGED)

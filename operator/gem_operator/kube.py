@@ -27,6 +27,8 @@ RBAC_RULES: list[dict[str, Any]] = [
     # kopf: discovery of the resources it serves, and namespaces when running cluster-wide.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+    # kopf peering (--peering): replicas announce themselves so only one acts.
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings", "clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
 ]
 
 

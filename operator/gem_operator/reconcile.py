@@ -58,8 +58,12 @@ class TeacherNotReady(Exception):
         self.reason, self.message, self.permanent = reason, message, permanent
 
 
-def resolve_teacher(obj: Any) -> render.TeacherMount | None:
-    """A LoopFMDistill's teacher as a checkpoint path (and the claim holding it)."""
+def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.TeacherMount | None:
+    """A LoopFMDistill's teacher as a checkpoint path (and the claim holding it).
+
+    `status` is the distillation's current status: a teacher seen before and gone now was
+    deleted, which is final; one never seen may still be created.
+    """
     teacher = obj.spec.teacher
     if teacher.checkpoint:
         return render.TeacherMount(checkpoint=teacher.checkpoint)
@@ -67,6 +71,11 @@ def resolve_teacher(obj: Any) -> render.TeacherMount | None:
         return None  # the trainer downloads it from MLflow itself
     ns, ref = obj.metadata.namespace, teacher.gem_training
     parent = kube.get_resource("GEMTraining", ns, ref)
+    seen = (st.get_condition(status, "TeacherReady") or {}).get("reason") in ("TeacherNotSucceeded", "TeacherSucceeded")
+    if parent is None and seen:
+        raise TeacherNotReady(
+            "TeacherDeleted", f"teacher GEMTraining {ns}/{ref} was deleted before it succeeded", permanent=True
+        )
     if parent is None:
         raise TeacherNotReady(
             "TeacherNotFound",
@@ -113,7 +122,7 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     teacher = None
     if kind == "LoopFMDistill":
         try:
-            teacher = resolve_teacher(obj)
+            teacher = resolve_teacher(obj, status)
         except TeacherNotReady as e:
             status["conditions"] = st.set_condition(status.get("conditions", []), "TeacherReady", "False", e.reason, e.message)
             status["observedGeneration"] = generation

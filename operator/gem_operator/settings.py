@@ -26,6 +26,8 @@ class OperatorConfig:
     #: Kueue LocalQueue every PyTorchJob is labelled for (none: Kueue not used).
     kueue_queue_name: str | None = None
     kueue_queue_label: str = "kueue.x-k8s.io/queue-name"
+    #: Seconds a replica's peering record lives without a heartbeat (how fast a standby takes over).
+    peering_lifetime: int = 60
     #: Port of the Prometheus /metrics endpoint (0: off).
     metrics_port: int = 0
     namespaces: tuple[str, ...] = field(default_factory=tuple)
@@ -50,6 +52,7 @@ class OperatorConfig:
             kueue_queue_name=os.environ.get("GEM_KUEUE_QUEUE_NAME") or None,
             kueue_queue_label=os.environ.get("GEM_KUEUE_QUEUE_LABEL") or "kueue.x-k8s.io/queue-name",
             metrics_port=int(os.environ.get("GEM_METRICS_PORT") or 0),
+            peering_lifetime=int(os.environ.get("GEM_PEERING_LIFETIME") or 60),
         )
 
 
