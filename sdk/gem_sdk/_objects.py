@@ -1,0 +1,355 @@
+"""Loading, validating and reading resources; logic shared by every backend."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from gem.api.render import job_name
+from gem.api.types import API_VERSION, KINDS, JobStatus, Phase, parse_object
+from gem_sdk._exceptions import (
+    BackendError,
+    FieldError,
+    JobFailedError,
+    ValidationError,
+    describe,
+)
+from gem_sdk._types import FAILED_PHASES, TERMINAL_PHASES, ObjectInput, Ref, Resource, resolve_kind
+
+#: Metadata the API server owns; dropped from an object before it is submitted.
+_SERVER_METADATA = ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields", "selfLink")
+
+_NAME_HINT = (
+    "names are at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit"
+)
+
+
+# --------------------------------------------------------------------------- input
+
+
+def load_documents(source: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The manifests in a YAML/JSON file or string (`---`-separated documents allowed).
+
+    Raises:
+        ValidationError: the file is missing or not YAML, or a document is not a mapping.
+    """
+    text: str
+    if isinstance(source, os.PathLike) or (
+        isinstance(source, str) and "\n" not in source and not source.lstrip().startswith("{")
+        and (source.endswith((".yaml", ".yml", ".json")) or os.path.exists(source))
+    ):
+        path = Path(source).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValidationError(f"cannot read {path}: {e.strerror or e}") from None
+    else:
+        text = str(source)
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise ValidationError(f"not valid YAML: {e}") from None
+    for doc in docs:
+        if not isinstance(doc, dict):
+            raise ValidationError(
+                f"expected a GEMTraining or LoopFMDistill manifest (a mapping), got {type(doc).__name__}: "
+                f"{str(doc)[:80]!r}; pass a file path, a YAML string, a dict or a typed object"
+            )
+    return docs
+
+
+def to_model(obj: ObjectInput, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+    """Validate what `submit` was given into a typed object ready to send.
+
+    Server-owned metadata and status are dropped; a missing apiVersion, kind or namespace is
+    filled in from the arguments.
+
+    Raises:
+        ValidationError: naming each bad field (camelCase path) and the fix.
+    """
+    if isinstance(obj, pydantic.BaseModel):
+        body = obj.model_dump(by_alias=True, exclude_none=True, mode="json")
+    elif isinstance(obj, dict):
+        body = dict(obj)
+    elif isinstance(obj, (str, os.PathLike)):
+        docs = load_documents(obj)
+        if len(docs) != 1:
+            raise ValidationError(
+                f"expected exactly one manifest, found {len(docs)}; submit each document separately"
+            )
+        body = docs[0]
+    else:
+        raise ValidationError(
+            f"cannot submit a {type(obj).__name__}: pass a file path, a YAML string, a dict, "
+            "or a GEMTraining/LoopFMDistill object"
+        )
+
+    body.pop("status", None)
+    meta = dict(body.get("metadata") or {})
+    for key in _SERVER_METADATA:
+        meta.pop(key, None)
+    name = meta.get("name") if isinstance(meta.get("name"), str) else None
+
+    if kind is not None:
+        kind = resolve_kind(kind)
+        if body.get("kind") not in (None, kind):
+            raise ValidationError(
+                f"the object is a {body.get('kind')}, but kind={kind} was asked for; drop one of them",
+                kind=kind, name=name,
+            )
+        body["kind"] = kind
+    if body.get("kind") not in KINDS:
+        raise ValidationError(
+            f"kind must be one of {', '.join(sorted(KINDS))}, got {body.get('kind')!r}: set `kind:` in the manifest"
+        )
+    kind = body["kind"]
+    body.setdefault("apiVersion", API_VERSION)
+    if namespace is not None:
+        if meta.get("namespace") not in (None, namespace):
+            raise ValidationError(
+                f"the object's namespace {meta['namespace']!r} does not match the namespace {namespace!r} "
+                "asked for; drop one of them",
+                kind=kind, namespace=namespace, name=name,
+            )
+        meta["namespace"] = namespace
+    body["metadata"] = meta
+    try:
+        return parse_object(body)
+    except pydantic.ValidationError as e:
+        raise ValidationError(
+            f"invalid {describe(kind, meta.get('namespace'), name)}",
+            errors=field_errors(e, KINDS[kind]["model"]),
+            kind=kind, namespace=meta.get("namespace"), name=name,
+        ) from None
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for item in loc:
+        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else str(item))
+    return out
+
+
+def _model_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> type[pydantic.BaseModel] | None:
+    """The pydantic model a location points into (for suggestions), if it is a model."""
+    current: Any = model
+    for item in loc:
+        if isinstance(item, int) or not (isinstance(current, type) and issubclass(current, pydantic.BaseModel)):
+            if isinstance(item, int):
+                continue
+            return None
+        field = next(
+            (f for n, f in current.model_fields.items() if item in (n, f.alias)), None
+        )
+        if field is None:
+            return None
+        current = field.annotation
+        # Unwrap Optional[X] / list[X] to X.
+        for _ in range(3):
+            args = [a for a in typing.get_args(current) if a is not type(None)]
+            if typing.get_origin(current) is not None and args and not (
+                isinstance(current, type) and issubclass(current, pydantic.BaseModel)
+            ):
+                current = args[-1]
+    return current if isinstance(current, type) and issubclass(current, pydantic.BaseModel) else None
+
+
+def field_errors(error: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> list[FieldError]:
+    """pydantic's errors as (camelCase path, message with the fix)."""
+    out = []
+    for err in error.errors(include_url=False):
+        loc = tuple(err["loc"])
+        path = _path(loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(model, loc[:-1])
+            known = sorted(f.alias or n for n, f in parent.model_fields.items()) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = "unknown field: " + (f"did you mean {close[0]!r}?" if close else "remove it") + (
+                f" (fields here: {', '.join(known)})" if known else ""
+            )
+        elif kind == "missing":
+            parent = _model_at(model, loc[:-1])
+            field = next((f for n, f in (parent.model_fields.items() if parent else []) if loc[-1] in (n, f.alias)), None)
+            msg = "required: set it" + (f" ({field.description})" if field and field.description else "")
+        elif kind == "string_pattern_mismatch" and loc[-1] == "name":
+            msg = f"invalid name {err.get('input')!r}: {_NAME_HINT}"
+        elif kind == "literal_error" and loc == ("apiVersion",):
+            msg = f"must be {API_VERSION} (got {err.get('input')!r})"
+        elif kind != "value_error" and "input" in err and not isinstance(err["input"], (dict, list)):
+            msg = f"{msg} (got {err['input']!r})"
+        out.append(FieldError(path, msg))
+    return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+def from_wire(body: dict[str, Any]) -> Resource:
+    """The typed object of a resource read back from a backend.
+
+    A status field this SDK does not know (a newer operator) is dropped rather than failing.
+
+    Raises:
+        BackendError: the body is not a readable GEMTraining/LoopFMDistill.
+    """
+    try:
+        return parse_object(body)
+    except (pydantic.ValidationError, ValueError) as first:
+        status = body.get("status")
+        if isinstance(status, dict):
+            known = {f.alias or n for n, f in JobStatus.model_fields.items()}
+            try:
+                return parse_object({**body, "status": {k: v for k, v in status.items() if k in known}})
+            except (pydantic.ValidationError, ValueError):
+                pass
+        meta = body.get("metadata") or {}
+        raise BackendError(
+            f"cannot read {describe(body.get('kind'), meta.get('namespace'), meta.get('name'))}: {first}",
+            kind=body.get("kind"), namespace=meta.get("namespace"), name=meta.get("name"),
+        ) from None
+
+
+def phase_of(obj: Resource) -> str | None:
+    return obj.status.phase if obj.status else None
+
+
+# --------------------------------------------------------------------------- references
+
+
+def resolve_ref(ref: Ref, kind: str | None, namespace: str | None, default_namespace: str) -> tuple[str, str, str]:
+    """(kind, namespace, name) of a name or typed object.
+
+    A typed object supplies the kind and namespace unless they are given; a bare name defaults
+    to kind GEMTraining and the backend's namespace.
+    """
+    if isinstance(ref, pydantic.BaseModel):
+        obj_kind = getattr(ref, "kind", None)
+        name = ref.metadata.name  # type: ignore[attr-defined]
+        kind = resolve_kind(kind) if kind else obj_kind
+        namespace = namespace or ref.metadata.namespace  # type: ignore[attr-defined]
+    elif isinstance(ref, str) and ref:
+        name = ref
+        kind = resolve_kind(kind) if kind else "GEMTraining"
+    else:
+        raise ValidationError(f"expected a resource name or object, got {ref!r}")
+    return kind, namespace or default_namespace, name  # type: ignore[return-value]
+
+
+def pod_name(kind: str, name: str, replica: str, index: int) -> str:
+    """The pod the training operator creates for one replica: `<job>-master-0`, `<job>-worker-<i>`.
+
+    Raises:
+        ValidationError: replica is not master/worker, or the index is impossible.
+    """
+    replica = replica.lower()
+    if replica not in ("master", "worker"):
+        raise ValidationError(f"replica must be master or worker, got {replica!r}")
+    if index < 0 or (replica == "master" and index != 0):
+        raise ValidationError(f"there is one master (index 0) and workers 0..numNodes-2; got {replica} {index}")
+    return f"{job_name(kind, name)}-{replica}-{index}"
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+def failure_of(obj: Resource) -> tuple[str, str]:
+    """(reason, message) explaining why a job is Failed or Invalid, from its conditions."""
+    status = obj.status
+    if status is None:
+        return "Unknown", ""
+    conds = {c.type: c for c in status.conditions}
+    for ctype, want in (("Failed", "True"), ("Invalid", "True"), ("Valid", "False")):
+        cond = conds.get(ctype)
+        if cond is not None and cond.status == want:
+            # status.message carries the trainer's own error when it reported one.
+            return cond.reason or ctype, status.message or cond.message or ""
+    return str(status.phase), status.message or ""
+
+
+def wait_done(obj: Resource, until: frozenset[str]) -> bool:
+    """Whether `wait` is over: a phase in `until` or any terminal phase is reached.
+
+    Raises:
+        JobFailedError: the phase is Failed or Invalid.
+    """
+    phase = phase_of(obj)
+    if phase in FAILED_PHASES:
+        reason, message = failure_of(obj)
+        raise JobFailedError(
+            phase=phase, reason=reason, detail=message, object=obj,
+            kind=obj.kind, namespace=obj.metadata.namespace, name=obj.metadata.name,
+        )
+    return phase in until or phase in TERMINAL_PHASES
+
+
+def normalize_until(until: Any) -> frozenset[str]:
+    """`until` as a set of phase names (accepts Phase values, strings, one or many)."""
+    if until is None:
+        return TERMINAL_PHASES
+    if isinstance(until, (str, Phase)):
+        until = [until]
+    phases = frozenset(p.value if isinstance(p, Phase) else str(p) for p in until)
+    known = {p.value for p in Phase}
+    bad = sorted(phases - known)
+    if bad:
+        raise ValidationError(f"unknown phase(s) {', '.join(bad)} in until: use {', '.join(sorted(known))}")
+    return phases
+
+
+# --------------------------------------------------------------------------- label selectors
+
+_REQ = re.compile(
+    r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9._/-]+)\s*"
+    r"(?:(?P<op>==|=|!=)\s*(?P<val>[A-Za-z0-9._-]*)|\s+(?P<setop>in|notin)\s*\((?P<set>[^)]*)\))?\s*$"
+)
+
+
+def _split_selector(selector: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in selector:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return parts
+
+
+def match_labels(selector: str | None, labels: dict[str, str]) -> bool:
+    """Whether labels match a Kubernetes label selector (=, ==, !=, in, notin, key, !key).
+
+    Raises:
+        ValidationError: the selector does not parse.
+    """
+    if not selector:
+        return True
+    for req in _split_selector(selector):
+        m = _REQ.match(req)
+        if not m or (m["neg"] and (m["op"] or m["setop"])):
+            raise ValidationError(f"invalid label selector {selector!r} near {req.strip()!r}")
+        key = m["key"]
+        if m["op"] in ("=", "=="):
+            ok = labels.get(key) == m["val"]
+        elif m["op"] == "!=":
+            ok = labels.get(key) != m["val"]
+        elif m["setop"]:
+            values = {v.strip() for v in m["set"].split(",")}
+            ok = (labels.get(key) in values) if m["setop"] == "in" else (labels.get(key) not in values)
+        else:
+            ok = (key in labels) != bool(m["neg"])
+        if not ok:
+            return False
+    return True

@@ -1,0 +1,269 @@
+"""GEMTraining/LoopFMDistill as custom resources; the gem operator on the cluster runs them."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from gem.api.render import CONTAINER_NAME
+from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION
+from gem_sdk._exceptions import BackendError, NotFoundError, WaitTimeoutError, describe
+from gem_sdk._objects import from_wire, normalize_until, phase_of, pod_name, resolve_ref, to_model, wait_done
+from gem_sdk._types import KubernetesBackendConfig, ObjectInput, Ref, Resource, resolve_kind
+from gem_sdk.backends.base import Backend
+from gem_sdk.backends.kubernetes.utils import CONNECTION_ERRORS, api_error, iter_lines, make_api_client
+
+T = TypeVar("T")
+
+#: Longest single watch request; the server closes it after this and the watch resumes.
+_WATCH_SEGMENT_S = 300
+#: Pause before re-listing after a dropped watch, so a flapping API is not hammered.
+_RELIST_PAUSE_S = 0.2
+_CONNECT_TIMEOUT_S = 10
+
+
+def _plural(kind: str) -> str:
+    return KINDS[kind]["plural"]
+
+
+class KubernetesBackend(Backend):
+    """Talks to the Kubernetes API through the official `kubernetes` client.
+
+    Every API error is mapped by `utils.api_error`: nothing from `kubernetes` leaks.
+    """
+
+    def __init__(self, cfg: KubernetesBackendConfig) -> None:
+        self.api_client, self.default_namespace = make_api_client(cfg)
+        self.custom = kubernetes.client.CustomObjectsApi(self.api_client)
+        self.core = kubernetes.client.CoreV1Api(self.api_client)
+
+    def _call(self, verb: str, kind: str | None, namespace: str | None, name: str | None,
+              fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except (ApiException, *CONNECTION_ERRORS) as e:
+            raise api_error(e, verb, kind, namespace, name) from None
+
+    # ------------------------------------------------------------------ CRUD
+
+    def submit(self, obj: ObjectInput, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        model = to_model(obj, kind=kind, namespace=namespace or None)
+        ns = model.metadata.namespace or self.default_namespace
+        model.metadata.namespace = ns
+        body = model.to_wire()
+        body.pop("status", None)
+        created = self._call(
+            "create", model.kind, ns, model.metadata.name,
+            self.custom.create_namespaced_custom_object, GROUP, VERSION, ns, _plural(model.kind), body,
+        )
+        return from_wire(created)
+
+    def get(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        body = self._call("get", kind, ns, name, self.custom.get_namespaced_custom_object,
+                          GROUP, VERSION, ns, _plural(kind), name)
+        return from_wire(body)
+
+    def list(
+        self,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        all_namespaces: bool = False,
+    ) -> list[Resource]:
+        kinds = [resolve_kind(kind)] if kind else list(KINDS)
+        ns = namespace or self.default_namespace
+        selector = {"label_selector": label_selector} if label_selector else {}
+        out: list[Resource] = []
+        for k in kinds:
+            if all_namespaces:
+                body = self._call("list", k, None, None, self.custom.list_cluster_custom_object,
+                                  GROUP, VERSION, _plural(k), **selector)
+            else:
+                body = self._call("list", k, ns, None, self.custom.list_namespaced_custom_object,
+                                  GROUP, VERSION, ns, _plural(k), **selector)
+            out.extend(from_wire(item) for item in body.get("items") or [])
+        return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
+
+    def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        # Background propagation: the PyTorchJob and ConfigMap go with it through ownerReferences.
+        self._call("delete", kind, ns, name, self.custom.delete_namespaced_custom_object,
+                   GROUP, VERSION, ns, _plural(kind), name, propagation_policy="Background")
+
+    # ------------------------------------------------------------------ wait
+
+    def wait(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        timeout: float | None = None,
+        until: Iterable[str] = TERMINAL_PHASES,
+    ) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        phases = normalize_until(until)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        plural, selector = _plural(kind), f"metadata.name={name}"
+        ref = {"kind": kind, "namespace": ns, "name": name}
+        last: Resource | None = None
+
+        def remaining() -> float:
+            if deadline is None:
+                return float(_WATCH_SEGMENT_S)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeoutError(
+                    f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
+                    f"{'/'.join(sorted(phases))} (phase {phase_of(last) if last else 'unknown'})",
+                    object=last, **ref,
+                )
+            return min(left, _WATCH_SEGMENT_S)
+
+        while True:
+            # List, then watch from the list's resourceVersion: the start, and the recovery after a
+            # 410 Gone (history compacted) or a dropped connection. Between these, no polling.
+            listing = self._call("get", kind, ns, name, self.custom.list_namespaced_custom_object,
+                                 GROUP, VERSION, ns, plural, field_selector=selector)
+            items = listing.get("items") or []
+            if not items:
+                raise NotFoundError(f"{describe(kind, ns, name)} not found", **ref)
+            last = from_wire(items[0])
+            if wait_done(last, phases):
+                return last
+            rv = (listing.get("metadata") or {}).get("resourceVersion") or last.metadata.resource_version
+            relist = False
+            while not relist:
+                segment = remaining()
+                w = kubernetes.watch.Watch()
+                try:
+                    for event in w.stream(
+                        self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural,
+                        field_selector=selector, resource_version=rv, allow_watch_bookmarks=True,
+                        timeout_seconds=max(1, math.ceil(segment)),
+                        _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
+                    ):
+                        raw = event.get("raw_object") or {}
+                        rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+                        if event["type"] == "BOOKMARK":
+                            continue
+                        if event["type"] == "DELETED":
+                            raise NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting", **ref)
+                        last = from_wire(raw)
+                        if wait_done(last, phases):
+                            return last
+                        remaining()
+                except ApiException as e:
+                    if e.status != 410:
+                        raise api_error(e, "watch", kind, ns, name) from None
+                    relist = True  # our resourceVersion is too old: list again
+                except CONNECTION_ERRORS:
+                    relist = True  # the watch dropped (or read timed out): list again
+                    time.sleep(_RELIST_PAUSE_S)
+                finally:
+                    w.stop()
+                # A segment that ends normally (the server's timeoutSeconds) resumes from rv.
+
+    # ------------------------------------------------------------------ logs
+
+    def logs(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        follow: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[str]:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        self.get(name, kind=kind, namespace=ns)  # NotFoundError now, not at the first next()
+        self._wait_for_pod(kind, ns, name, pod, timeout)
+        # follow as kubectl sends it ("true"); the client would send Python's "True", which a
+        # strict server (e.g. the test API server) does not take for true.
+        resp = self._call("read logs of", kind, ns, name, self.core.read_namespaced_pod_log,
+                          pod, ns, container=CONTAINER_NAME, follow="true" if follow else "false",
+                          _preload_content=False)
+        return self._lines(resp, kind, ns, name)
+
+    def _lines(self, resp: Any, kind: str, ns: str, name: str) -> Iterator[str]:
+        try:
+            yield from iter_lines(resp)
+        except CONNECTION_ERRORS as e:
+            raise api_error(e, "stream logs of", kind, ns, name) from None
+
+    def _pod_started(self, pod: dict[str, Any] | None) -> bool:
+        status = (pod or {}).get("status") or {}
+        if status.get("phase") in ("Running", "Succeeded", "Failed"):
+            return True
+        return any(
+            (cs.get("state") or {}).get("running") or (cs.get("state") or {}).get("terminated")
+            for cs in status.get("containerStatuses") or []
+        )
+
+    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, timeout: float | None) -> None:
+        """Watch the pod until its container has started (its log exists).
+
+        Each watch lasts a few seconds so that a job that ended without ever creating this pod
+        is noticed (NotFoundError) instead of waiting forever.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ref = {"kind": kind, "namespace": ns, "name": name}
+        selector = f"metadata.name={pod}"
+        while True:
+            listing = self._call("list pods of", kind, ns, name, self.core.list_namespaced_pod,
+                                 ns, field_selector=selector, _preload_content=False)
+            body = _json(listing)
+            items = body.get("items") or []
+            if items and self._pod_started(items[0]):
+                return
+            if not items:
+                job = self.get(name, kind=kind, namespace=ns)
+                if phase_of(job) in TERMINAL_PHASES:
+                    raise NotFoundError(
+                        f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist and the job is "
+                        f"{phase_of(job)}; its pods may have been cleaned up (runPolicy.cleanPodPolicy)",
+                        **ref,
+                    )
+            segment = 5.0
+            if deadline is not None:
+                segment = min(segment, deadline - time.monotonic())
+                if segment <= 0:
+                    raise WaitTimeoutError(f"timed out waiting for pod {ns}/{pod} to start", **ref)
+            w = kubernetes.watch.Watch()
+            try:
+                for event in w.stream(
+                    self.core.list_namespaced_pod, ns, field_selector=selector,
+                    resource_version=(body.get("metadata") or {}).get("resourceVersion"),
+                    timeout_seconds=max(1, math.ceil(segment)), deserialize=False,
+                    _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
+                ):
+                    if event.get("type") in ("ADDED", "MODIFIED") and self._pod_started(event.get("object")):
+                        return
+            except ApiException as e:
+                if e.status != 410:
+                    raise api_error(e, "watch pods of", kind, ns, name) from None
+            except CONNECTION_ERRORS:
+                time.sleep(_RELIST_PAUSE_S)
+            finally:
+                w.stop()
+
+
+def _json(resp: Any) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(resp.data)
+    except (TypeError, ValueError) as e:
+        raise BackendError(f"unreadable answer from the Kubernetes API: {e}") from None
+    finally:
+        resp.release_conn()

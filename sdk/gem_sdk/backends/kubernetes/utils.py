@@ -1,0 +1,128 @@
+"""Kubernetes client set-up and the mapping of API errors to SDK errors."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import urllib3
+from kubernetes.client.rest import ApiException
+
+from gem_sdk._exceptions import (
+    AlreadyExistsError,
+    BackendError,
+    FieldError,
+    GEMError,
+    NotFoundError,
+    ValidationError,
+    describe,
+)
+from gem_sdk._types import KubernetesBackendConfig
+
+_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.ApiClient, str]:
+    """An ApiClient of its own (the global kubernetes configuration is left alone) and the
+    default namespace: the config's, else the context's, else the pod's, else `default`.
+
+    Raises:
+        BackendError: no usable kubeconfig or in-cluster configuration.
+    """
+    in_cluster = (
+        cfg.kubeconfig is None
+        and not os.environ.get("KUBECONFIG")
+        and not Path("~/.kube/config").expanduser().exists()
+        and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    )
+    try:
+        if in_cluster:
+            conf = kubernetes.client.Configuration()
+            kubernetes.config.load_incluster_config(client_configuration=conf)
+            api = kubernetes.client.ApiClient(conf)
+            namespace = _SA_NAMESPACE.read_text().strip() if _SA_NAMESPACE.exists() else None
+        else:
+            api = kubernetes.config.new_client_from_config(config_file=cfg.kubeconfig, context=cfg.context)
+            contexts, current = kubernetes.config.list_kube_config_contexts(config_file=cfg.kubeconfig)
+            chosen = next((c for c in contexts if c["name"] == cfg.context), None) if cfg.context else current
+            namespace = ((chosen or {}).get("context") or {}).get("namespace")
+    except (kubernetes.config.ConfigException, OSError, TypeError, ValueError) as e:
+        where = cfg.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise BackendError(
+            f"no usable Kubernetes configuration ({where}{', context ' + cfg.context if cfg.context else ''}): {e}; "
+            "pass --kubeconfig/--context, or use the local backend (--local)"
+        ) from None
+    return api, cfg.namespace or namespace or "default"
+
+
+def _status_body(e: ApiException) -> dict[str, Any]:
+    try:
+        body = json.loads(e.body) if e.body else {}
+    except (TypeError, ValueError):
+        body = {}
+    return body if isinstance(body, dict) else {}
+
+
+def api_error(
+    e: Exception, verb: str, kind: str | None, namespace: str | None, name: str | None
+) -> GEMError:
+    """The SDK error for a failed API call `verb` on `kind namespace/name`."""
+    what = describe(kind, namespace, name)
+    ref = {"kind": kind, "namespace": namespace, "name": name}
+    if not isinstance(e, ApiException):
+        if isinstance(e, GEMError):
+            return e
+        return BackendError(f"failed to {verb} {what}: cannot reach the Kubernetes API: {e}", **ref)
+    body = _status_body(e)
+    message = body.get("message") or e.reason or ""
+    reason = body.get("reason") or e.reason or ""
+    details = body.get("details") or {}
+    if e.status == 404:
+        if details.get("kind") == "namespaces" or message.startswith("namespaces "):
+            return NotFoundError(f"namespace {namespace} not found (creating {what})", **ref)
+        if name and (details.get("name") == name or f'"{name}" not found' in message):
+            return NotFoundError(f"{what} not found", **ref)
+        return BackendError(
+            f"failed to {verb} {what}: {message or 'not found'}; are the gem CRDs installed? "
+            "(kubectl apply -f manifests/crds/)",
+            status=404, **ref,
+        )
+    if e.status == 409 and reason == "AlreadyExists":
+        return AlreadyExistsError(f"{what} already exists; delete it first or pick another name", **ref)
+    if e.status in (400, 422):
+        causes = details.get("causes") or []
+        errors = [FieldError(c.get("field", ""), c.get("message", "") or c.get("reason", "")) for c in causes]
+        return ValidationError(
+            f"the API server rejected {what}" + ("" if errors else f": {message}"), errors=errors, **ref
+        )
+    if e.status in (401, 403):
+        return BackendError(
+            f"failed to {verb} {what}: {reason}: {message}; check your credentials and RBAC", status=e.status, **ref
+        )
+    return BackendError(f"failed to {verb} {what}: {e.status} {reason}: {message}".rstrip(": "), status=e.status, **ref)
+
+
+#: Errors of a dropped or unreachable connection (wrapped as BackendError, or retried by watches).
+CONNECTION_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+def iter_lines(resp: Any) -> Iterator[str]:
+    """Lines (without the newline) of a streamed urllib3 response; closes it at the end."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    buf = ""
+    try:
+        for chunk in resp.stream(None, decode_content=True):
+            buf += decoder.decode(chunk)
+            *lines, buf = buf.split("\n")
+            yield from lines
+        buf += decoder.decode(b"", final=True)
+        if buf:
+            yield buf
+    finally:
+        resp.close()
+        resp.release_conn()

@@ -1,0 +1,436 @@
+"""Jobs as local processes: the same ConfigMap and PyTorchJob a cluster would run, no cluster.
+
+`submit` renders the resource with `gem.api.render` (exactly what the operator applies), saves
+it under the root (layout in `store`) and starts a detached supervisor process that runs the
+PyTorchJob with `gem.launcher.local` and keeps the status on disk. Every process pointing at the
+same root sees the same jobs; the submitting process may exit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from gem.api.render import TeacherMount, job_name, render_config_map, render_pytorchjob
+from gem.api.types import KINDS, TERMINAL_PHASES, LoopFMDistill, Phase
+from gem_sdk._exceptions import (
+    AlreadyExistsError,
+    BackendError,
+    NotFoundError,
+    ValidationError,
+    WaitTimeoutError,
+    describe,
+)
+from gem_sdk._objects import (
+    from_wire,
+    match_labels,
+    normalize_until,
+    phase_of,
+    pod_name,
+    resolve_ref,
+    to_model,
+    wait_done,
+)
+from gem_sdk._types import LocalBackendConfig, ObjectInput, Ref, Resource, resolve_kind
+from gem_sdk.backends.base import Backend
+from gem_sdk.backends.local import store
+
+#: Marks a checkpoint claim the local backend made up (no spec.checkpoint.claimName); it is
+#: deleted with the job, like a PVC owned by it.
+ANNOTATION_LOCAL_CLAIM = "gem.dev/local-claim"
+#: Local state is a few small files: polling one of them this often is simpler and more portable
+#: than inotify, and cheap.
+POLL_S = 0.2
+#: How long `delete` lets the supervisor stop its processes before killing everything.
+STOP_GRACE_S = 15.0
+_SUPERVISOR_MODULE = "gem_sdk.backends.local.supervisor"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _is_supervisor(pid: int) -> bool:
+    """Whether pid is a supervisor process (guards against a recycled pid), where /proc tells."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return _SUPERVISOR_MODULE.encode() in f.read()
+    except FileNotFoundError:
+        return False if os.path.isdir("/proc") else _alive(pid)
+    except OSError:
+        return _alive(pid)
+
+
+class LocalBackend(Backend):
+    """Runs jobs as processes under `root` (see `store` for the layout)."""
+
+    def __init__(self, cfg: LocalBackendConfig) -> None:
+        self.root = Path(cfg.root).expanduser().absolute()
+        self.default_namespace = cfg.namespace
+
+    #: Test hook: rewrites the rendered PyTorchJob before it runs (e.g. another command). Set it
+    #: on an instance, or on the class as a staticmethod.
+    _patch_job: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _dir(self, kind: str, namespace: str, name: str) -> Path:
+        return store.job_dir(self.root, kind, namespace, name)
+
+    def _read(self, kind: str, namespace: str, name: str) -> Resource:
+        body = store.read_yaml(self._dir(kind, namespace, name) / store.OBJECT_FILE)
+        if body is None:
+            raise NotFoundError(f"{describe(kind, namespace, name)} not found (local root {self.root})",
+                                kind=kind, namespace=namespace, name=name)
+        return from_wire(body)
+
+    def _supervisor_pid(self, d: Path) -> int | None:
+        try:
+            return int((d / store.PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def _supervisor_log_tail(self, d: Path, lines: int = 15) -> str:
+        try:
+            return "\n".join((d / store.SUPERVISOR_LOG).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _resolve_teacher(self, model: Resource, namespace: str) -> TeacherMount | None:
+        """The checkpoint of a LoopFMDistill's `teacher.gemTraining`, which must have succeeded.
+
+        Locally there is no operator to wait for the teacher, so a teacher that is not done is
+        an error now rather than a WaitingForTeacher phase.
+        """
+        if not isinstance(model, LoopFMDistill) or not model.spec.teacher.gem_training:
+            return None
+        ref = model.spec.teacher.gem_training
+        me = describe(model.kind, namespace, model.metadata.name)
+        try:
+            teacher = self._read("GEMTraining", namespace, ref)
+        except NotFoundError:
+            raise NotFoundError(
+                f"teacher GEMTraining {namespace}/{ref} of {me} not found: submit and finish it first "
+                "(locally the teacher must have succeeded before its distillation is submitted)",
+                kind=model.kind, namespace=namespace, name=model.metadata.name,
+            ) from None
+        phase = phase_of(teacher)
+        ckpt = teacher.status.latest_checkpoint if teacher.status else None
+        if phase != Phase.succeeded.value or not ckpt:
+            raise ValidationError(
+                f"teacher GEMTraining {namespace}/{ref} of {me} is {phase or 'Pending'}"
+                f"{'' if phase != Phase.succeeded.value else ' but reported no checkpoint'}: "
+                f"it must have succeeded; wait for it (gemctl wait gt {ref} --local) and submit again",
+                kind=model.kind, namespace=namespace, name=model.metadata.name,
+            )
+        path = Path(ckpt)
+        if not path.exists():
+            # A path inside the teacher's pod: map its checkpoint mount to the claim's host dir.
+            mount = teacher.spec.checkpoint.path.rstrip("/")
+            claim = teacher.spec.checkpoint.claim_name
+            if claim and (ckpt == mount or ckpt.startswith(mount + "/")):
+                path = store.claims_dir(self.root) / claim / ckpt[len(mount):].lstrip("/")
+        if not path.exists():
+            raise ValidationError(
+                f"the checkpoint {ckpt} of teacher GEMTraining {namespace}/{ref} no longer exists on this "
+                "machine; retrain the teacher or name a checkpoint with teacher.checkpoint",
+                kind=model.kind, namespace=namespace, name=model.metadata.name,
+            )
+        # The host path is readable as is: no teacher volume is needed locally.
+        return TeacherMount(checkpoint=str(path))
+
+    def _mlflow_uri(self, model: Resource) -> str | None:
+        if model.spec.mlflow.tracking_uri:
+            return None  # the renderer uses the spec's
+        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / store.MLFLOW_DB}"
+
+    def _spawn(self, d: Path) -> None:
+        with open(d / store.SUPERVISOR_LOG, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", _SUPERVISOR_MODULE, str(d), "--root", str(self.root), "--detach"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        # The first process only forks the supervisor, writes its pid and exits.
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = -1
+        if code != 0 or self._supervisor_pid(d) is None:
+            raise BackendError(
+                f"could not start the local supervisor (exit {code}):\n{self._supervisor_log_tail(d)}"
+            )
+
+    # ------------------------------------------------------------------ CRUD
+
+    def submit(self, obj: ObjectInput, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        model = to_model(obj, kind=kind, namespace=namespace or None)
+        ns = model.metadata.namespace or self.default_namespace
+        name, kind = model.metadata.name, model.kind
+        model.metadata.namespace = ns
+        ref = {"kind": kind, "namespace": ns, "name": name}
+        teacher = self._resolve_teacher(model, ns)
+        d = self._dir(kind, ns, name)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            d.mkdir()  # atomic: of two concurrent submits of one name, one wins
+        except FileExistsError:
+            raise AlreadyExistsError(f"{describe(kind, ns, name)} already exists; delete it first or pick another name",
+                                     **ref) from None
+        try:
+            meta = model.metadata
+            meta.uid, meta.generation, meta.creation_timestamp, meta.resource_version = str(uuid.uuid4()), 1, _now(), "1"
+            if not model.spec.checkpoint.claim_name:
+                # Without a claim, checkpoints would die with the pod's sandbox; a claim of the
+                # job's own keeps them (and lets a LoopFMDistill use them as its teacher).
+                claim = f"{job_name(kind, name)}-{meta.uid[:8]}"
+                model.spec.checkpoint.claim_name = claim
+                meta.annotations[ANNOTATION_LOCAL_CLAIM] = claim
+            cm = render_config_map(model, teacher)
+            job = render_pytorchjob(model, mlflow_tracking_uri=self._mlflow_uri(model), teacher=teacher)
+            if self._patch_job is not None:
+                job = self._patch_job(job)
+            created = f"PyTorchJob {job['metadata']['name']} is created."
+            job["status"] = {"conditions": [
+                {"type": "Created", "status": "True", "reason": "PyTorchJobCreated", "message": created,
+                 "lastTransitionTime": _now()}]}
+            body = model.to_wire()
+            body["status"] = {
+                "phase": Phase.created.value,
+                "message": f"PyTorchJob {job['metadata']['name']} created",
+                "conditions": [
+                    {"type": "Valid", "status": "True", "reason": "SpecValid", "message": "spec is valid",
+                     "lastTransitionTime": _now()},
+                    {"type": "Created", "status": "True", "reason": "PyTorchJobCreated", "message": created,
+                     "lastTransitionTime": _now()},
+                ],
+                "observedGeneration": 1,
+                "pytorchJob": job["metadata"]["name"],
+            }
+            store.write_yaml(d / store.CONFIGMAP_FILE, cm)
+            store.write_yaml(d / store.PYTORCHJOB_FILE, job)
+            store.write_yaml(d / store.OBJECT_FILE, body)  # last: from now on the job is listed
+            self._spawn(d)
+        except BaseException:
+            self._stop(d)
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        return from_wire(body)
+
+    def get(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        return self._read(kind, ns, name)
+
+    def list(
+        self,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        all_namespaces: bool = False,
+    ) -> list[Resource]:
+        kinds = [resolve_kind(kind)] if kind else list(KINDS)
+        ns = None if all_namespaces else (namespace or self.default_namespace)
+        out = []
+        match_labels(label_selector, {})  # a bad selector fails even when there are no jobs
+        for k in kinds:
+            for d in store.iter_job_dirs(self.root, k, ns):
+                body = store.read_yaml(d / store.OBJECT_FILE)
+                if body is None:  # deleted meanwhile
+                    continue
+                if match_labels(label_selector, (body.get("metadata") or {}).get("labels") or {}):
+                    out.append(from_wire(body))
+        return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
+
+    def _stop(self, d: Path) -> None:
+        """Stop the job's supervisor (which stops its replicas); kill what is left."""
+        pid = self._supervisor_pid(d)
+        if pid is None or not _is_supervisor(pid):
+            pid = None
+        if pid is not None and _alive(pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            end = time.monotonic() + STOP_GRACE_S
+            while _alive(pid) and time.monotonic() < end:
+                time.sleep(0.05)
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        # Replicas the supervisor could not stop (it was killed or had crashed): each runs in its
+        # own process group, named by its pid in pods.yaml.
+        pods = (store.read_yaml(d / store.PODS_FILE) or {}).get("items") or []
+        for pod in pods:
+            pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get("gem.dev/local-pid")
+            state = ((pod.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
+            if pod_pid and "running" in state:
+                try:
+                    os.killpg(int(pod_pid), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
+
+    def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        obj = self._read(kind, ns, name)
+        d = self._dir(kind, ns, name)
+        self._stop(d)
+        shutil.rmtree(d, ignore_errors=True)
+        claim = obj.metadata.annotations.get(ANNOTATION_LOCAL_CLAIM)
+        if claim:
+            shutil.rmtree(store.claims_dir(self.root) / claim, ignore_errors=True)
+
+    # ------------------------------------------------------------------ wait
+
+    def wait(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        timeout: float | None = None,
+        until: Iterable[str] = TERMINAL_PHASES,
+    ) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        phases = normalize_until(until)
+        d = self._dir(kind, ns, name)
+        path = d / store.OBJECT_FILE
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen: tuple[int, int] | None = None
+        obj = self._read(kind, ns, name)
+        while True:
+            try:
+                s = path.stat()
+                stamp = (s.st_mtime_ns, s.st_ino)
+            except FileNotFoundError:
+                raise NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting",
+                                    kind=kind, namespace=ns, name=name) from None
+            if stamp != seen:
+                seen = stamp
+                obj = self._read(kind, ns, name)
+                if wait_done(obj, phases):
+                    return obj
+            else:
+                pid = self._supervisor_pid(d)
+                if pid is not None and not _alive(pid) and phase_of(obj) != Phase.suspended.value:
+                    final = self._read(kind, ns, name)  # it may have written just before exiting
+                    if wait_done(final, phases):
+                        return final
+                    raise BackendError(
+                        f"the local supervisor of {describe(kind, ns, name)} (pid {pid}) exited without "
+                        f"finishing the job; its log ({d / store.SUPERVISOR_LOG}) ends:\n{self._supervisor_log_tail(d)}",
+                        kind=kind, namespace=ns, name=name,
+                    )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
+                    f"{'/'.join(sorted(phases))} (phase {phase_of(obj)})",
+                    object=obj, kind=kind, namespace=ns, name=name,
+                )
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ logs
+
+    def logs(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        follow: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[str]:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        self._read(kind, ns, name)
+        d = self._dir(kind, ns, name)
+        job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
+        specs = (job.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+        rtype = replica.capitalize()
+        if index >= int((specs.get(rtype) or {}).get("replicas") or 0):
+            raise NotFoundError(f"{describe(kind, ns, name)} has no pod {pod}", kind=kind, namespace=ns, name=name)
+        log = d / store.LOGS_DIR / f"{pod}.log"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not log.exists():
+            obj = self._read(kind, ns, name)
+            if phase_of(obj) in TERMINAL_PHASES | {Phase.suspended.value}:
+                raise NotFoundError(f"pod {pod} of {describe(kind, ns, name)} never started (job is {phase_of(obj)})",
+                                    kind=kind, namespace=ns, name=name)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"timed out waiting for pod {pod} to start", kind=kind, namespace=ns, name=name)
+            time.sleep(POLL_S)
+        return self._tail(d, pod, log, follow)
+
+    def _pod_running(self, d: Path, pod: str) -> bool:
+        items = (store.read_yaml(d / store.PODS_FILE) or {}).get("items")
+        if items is None:
+            return (d / store.OBJECT_FILE).exists()  # not written yet: still starting
+        for item in items:
+            if item["metadata"]["name"] == pod:
+                state = (item["status"].get("containerStatuses") or [{}])[0].get("state") or {}
+                return "terminated" not in state
+        return False
+
+    def _tail(self, d: Path, pod: str, log: Path, follow: bool) -> Iterator[str]:
+        f = open(log, "rb")
+        inode = os.fstat(f.fileno()).st_ino
+        buf = b""
+        try:
+            while True:
+                chunk = f.read(65536)
+                if chunk:
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        yield line.decode(errors="replace")
+                    continue
+                if not follow:
+                    break
+                try:
+                    if os.stat(log).st_ino != inode:  # restarted: the new container's log
+                        f.close()
+                        f = open(log, "rb")
+                        inode = os.fstat(f.fileno()).st_ino
+                        continue
+                except FileNotFoundError:
+                    break  # deleted
+                if not self._pod_running(d, pod):
+                    chunk = f.read()
+                    buf += chunk
+                    if not chunk:
+                        break
+                    continue
+                time.sleep(POLL_S / 2)
+            if buf:
+                yield buf.decode(errors="replace")
+        finally:
+            f.close()

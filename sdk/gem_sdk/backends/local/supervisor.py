@@ -1,0 +1,304 @@
+"""The detached process that runs one local job: `python -m gem_sdk.backends.local.supervisor JOBDIR`.
+
+`LocalBackend.submit` starts it with `--detach` (it forks, so it outlives gemctl and is not left
+a zombie of the submitting process). It runs the job's PyTorchJob with `gem.launcher.local`,
+and keeps on disk, like the training operator and the gem operator do on a cluster:
+
+* `pytorchjob.yaml` status: training-operator conditions (Created, Running, Restarting,
+  Succeeded, Failed), replicaStatuses, startTime, completionTime;
+* `pods.yaml`: the pods as Pod-like objects (phase, container state, termination message);
+* `object.yaml` status: mirrored from the two above with `gem.api.status`, the trainer's
+  termination report applied when the job ends (metrics, ne, latestCheckpoint, mlflow, progress).
+
+A failed replica restarts the whole gang (every replica, in place) while fewer than
+`runPolicy.backoffLimit` restarts were made; `activeDeadlineSeconds` is enforced. SIGTERM (sent
+by `delete`) stops every replica and exits without writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from gem.api import status as st
+from gem.api.types import TERMINAL_PHASES
+from gem.launcher.local import LocalPyTorchJob, decode_configmap
+from gem_sdk.backends.local import store
+
+#: How often the supervisor looks at its processes (they are children: polling is cheap).
+POLL_S = 0.2
+#: How long workers may keep running after the master succeeded before they are stopped.
+WORKER_GRACE_S = 10.0
+#: How long the other replicas may keep running after one failed for good, to report their error.
+FAILURE_GRACE_S = 5.0
+LABEL_JOB = "training.kubeflow.org/job-name"
+LABEL_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+ANNOTATION_PID = "gem.dev/local-pid"
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    raise _Stop()
+
+
+class Supervisor:
+    def __init__(self, job_dir: Path, root: Path) -> None:
+        self.dir = job_dir
+        self.root = root
+        self.job = store.read_yaml(job_dir / store.PYTORCHJOB_FILE) or {}
+        cm = store.read_yaml(job_dir / store.CONFIGMAP_FILE) or {}
+        self.name = self.job["metadata"]["name"]
+        self.namespace = self.job["metadata"].get("namespace", "default")
+        self.run = LocalPyTorchJob(
+            self.job,
+            workdir=job_dir,
+            configmaps={cm["metadata"]["name"]: decode_configmap(cm)},
+            claims_dir=store.claims_dir(root),
+        )
+        run_policy = self.job["spec"].get("runPolicy") or {}
+        self.backoff_limit = int(run_policy.get("backoffLimit") if run_policy.get("backoffLimit") is not None else 3)
+        self.deadline_s = run_policy.get("activeDeadlineSeconds")
+        self.restarts = 0
+        self.job_status: dict[str, Any] = dict(self.job.get("status") or {})
+        self.started = 0.0
+        self._written: tuple[Any, ...] | None = None
+
+    # ------------------------------------------------------------------ job status
+
+    def _cond(self, type_: str, status: str, reason: str, message: str) -> None:
+        self.job_status["conditions"] = st.set_condition(
+            self.job_status.get("conditions", []), type_, status, reason, message
+        )
+
+    def _replica_statuses(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for info in self.run.replicas.values():
+            counts = out.setdefault(info.replica_type, {"active": 0, "succeeded": 0, "failed": 0})
+            phase = info.pod.state.phase
+            key = {"Running": "active", "Succeeded": "succeeded", "Failed": "failed"}.get(phase)
+            if key:
+                counts[key] += 1
+        return out
+
+    def pods(self) -> list[dict[str, Any]]:
+        """The replicas as Pod-like objects (what `gem.api.status.master_report` reads)."""
+        out = []
+        for name, info in self.run.replicas.items():
+            s = info.pod.state
+            if s.phase == "Running":
+                state = {"running": {"startedAt": s.started_at}}
+            elif s.done:
+                state = {"terminated": {"exitCode": s.exit_code, "reason": s.reason, "message": s.message,
+                                        "startedAt": s.started_at, "finishedAt": s.finished_at}}
+            else:
+                state = {"waiting": {"reason": "ContainerCreating"}}
+            out.append({
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": self.namespace,
+                    "labels": {LABEL_JOB: self.name, LABEL_REPLICA_TYPE: info.replica_type.lower(),
+                               LABEL_REPLICA_INDEX: str(info.index)},
+                    "annotations": {ANNOTATION_PID: str(s.pid or "")},
+                },
+                "status": {
+                    "phase": s.phase,
+                    "containerStatuses": [{"name": "pytorch", "state": state, "restartCount": s.restart_count,
+                                           "ready": s.phase == "Running"}],
+                },
+            })
+        return out
+
+    # ------------------------------------------------------------------ resource status
+
+    def _progress_while_running(self) -> dict[str, Any]:
+        """Progress from the master's termination-message file, if the trainer updates it live."""
+        for info in self.run.replicas.values():
+            if info.replica_type == "Master" and info.pod.state.phase == "Running":
+                try:
+                    report = st.parse_report(info.pod.local_termination_path.read_text()[:4096])
+                except OSError:
+                    report = None
+                if report:
+                    return {k: v for k, v in st.apply_report({}, report).items() if k == "progress"}
+        return {}
+
+    @staticmethod
+    def _any_error_report(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Without a master report, the first replica's report that carries an error."""
+        for pod in pods:
+            for cs in pod["status"]["containerStatuses"]:
+                report = st.parse_report(((cs.get("state") or {}).get("terminated") or {}).get("message"))
+                if report and report.get("error"):
+                    return {"error": report["error"]}
+        return None
+
+    def write(self) -> None:
+        """Mirror the PyTorchJob into the resource's status (as the gem operator does) and save all
+        three files, if anything changed."""
+        self.job_status["replicaStatuses"] = self._replica_statuses()
+        pods = self.pods()
+        obj = store.read_yaml(self.dir / store.OBJECT_FILE)
+        if obj is None:
+            raise _Stop()  # deleted under us
+        status = dict(obj.get("status") or {})
+        out: dict[str, Any] = {**status, "pytorchJob": self.name, "replicas": st.replica_counts(self.job_status)}
+        conds = list(status.get("conditions", []))
+        for cond in self.job_status.get("conditions", []):
+            conds = st.set_condition(conds, cond["type"], cond["status"], cond.get("reason", ""), cond.get("message", ""))
+        out["conditions"] = conds
+        for key in ("startTime", "completionTime"):
+            if self.job_status.get(key):
+                out[key] = self.job_status[key]
+        phase, cond = st.phase_from_job(self.job_status)
+        if phase is not None:
+            message = (cond or {}).get("message", "")
+            if phase in TERMINAL_PHASES:
+                report = st.master_report(pods) or self._any_error_report(pods)
+                if report:
+                    out.update(st.apply_report({}, report))
+                    if report.get("error"):
+                        message = f"trainer failed: {report['error']}"
+            else:
+                out.update(self._progress_while_running())
+            out["phase"], out["message"] = phase, message
+        key = (repr(out), repr(pods))
+        if key == self._written:
+            return
+        self._written = key
+        store.write_yaml(self.dir / store.PODS_FILE, {"items": pods})
+        store.write_yaml(self.dir / store.PYTORCHJOB_FILE, {**self.job, "status": self.job_status})
+        meta = dict(obj.get("metadata") or {})
+        meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
+        store.write_yaml(self.dir / store.OBJECT_FILE, {**obj, "metadata": meta, "status": out})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _failed_replicas(self) -> str:
+        failed: dict[str, int] = {}
+        for info in self.run.replicas.values():
+            if info.pod.state.phase == "Failed":
+                failed[info.replica_type] = failed.get(info.replica_type, 0) + 1
+        return ", ".join(f"{n} {t} replica(s) failed" for t, n in sorted(failed.items()))
+
+    def _finish(self, type_: str, reason: str, message: str) -> None:
+        if type_ == "Failed":
+            self.run.stop()
+        self._cond("Running", "False", reason, message)
+        self._cond(type_, "True", reason, message)
+        self.job_status["completionTime"] = st.now()
+        self.write()
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        self.job_status["startTime"] = st.now()
+        self.run.start()
+        self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
+        self.write()
+
+    def _settle(self, grace: float) -> None:
+        end = time.monotonic() + grace
+        while any(i.pod.poll().phase == "Running" for i in self.run.replicas.values()) and time.monotonic() < end:
+            time.sleep(POLL_S)
+
+    def step(self) -> bool:
+        """One look at the replicas; True once the job has ended."""
+        states = {n: info.pod.poll() for n, info in self.run.replicas.items()}
+        masters = [i for i in self.run.replicas.values() if i.replica_type == "Master"] or list(self.run.replicas.values())
+        if all(i.pod.state.phase == "Succeeded" for i in masters):
+            self._settle(WORKER_GRACE_S)
+            self.run.stop()
+            self._finish("Succeeded", "PyTorchJobSucceeded",
+                         f"PyTorchJob {self.namespace}/{self.name} successfully completed.")
+            return True
+        if self.deadline_s and time.monotonic() - self.started > float(self.deadline_s):
+            self._finish("Failed", "DeadlineExceeded",
+                         f"PyTorchJob {self.name} has failed because it was active longer than specified deadline")
+            return True
+        if any(s.phase == "Failed" for s in states.values()):
+            why = self._failed_replicas()
+            if self.restarts >= self.backoff_limit:
+                # The other replicas usually fail too in a moment: let them, so their own
+                # termination reports (the trainer's error) are kept rather than killed.
+                self._settle(FAILURE_GRACE_S)
+                why = self._failed_replicas()
+                self._finish("Failed", "PyTorchJobFailed",
+                             f"PyTorchJob {self.name} is failed because {why} "
+                             f"(backoffLimit {self.backoff_limit} reached).")
+                return True
+            self.restarts += 1
+            self._cond("Running", "False", "PyTorchJobRestarting", why)
+            self._cond("Restarting", "True", "PyTorchJobRestarting",
+                       f"PyTorchJob {self.name} is restarting because {why} "
+                       f"(restart {self.restarts} of {self.backoff_limit}).")
+            self.write()
+            self.run.stop()  # gang restart: every replica, so the rendezvous starts afresh
+            for info in self.run.replicas.values():
+                info.pod.restart()
+            self._cond("Restarting", "False", "PyTorchJobRestarting", "")
+            self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
+        self.write()
+        return False
+
+    def main(self) -> int:
+        try:
+            if self.job["spec"].get("runPolicy", {}).get("suspend"):
+                self._cond("Suspended", "True", "PyTorchJobSuspended", f"PyTorchJob {self.name} is suspended.")
+                self.write()
+                return 0
+            self.start()
+            while not self.step():
+                time.sleep(POLL_S)
+            return 0
+        except _Stop:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            self.run.stop()
+            return 0
+        except BaseException as e:  # anything unexpected: stop the processes and say why
+            self.run.stop()
+            sys.stderr.write(traceback.format_exc())
+            try:
+                self._finish("Failed", "LocalSupervisorError", f"the local supervisor failed: {e!r}")
+            except BaseException:
+                pass
+            return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gem_sdk.backends.local.supervisor")
+    parser.add_argument("job_dir", type=Path)
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--detach", action="store_true", help="fork, write the child's pid and return at once")
+    args = parser.parse_args(argv)
+    pid_file = args.job_dir / store.PID_FILE
+    if args.detach:
+        pid = os.fork()
+        if pid > 0:
+            pid_file.write_text(f"{pid}\n")
+            os._exit(0)
+        os.setsid()
+    else:
+        pid_file.write_text(f"{os.getpid()}\n")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print(f"{dt.datetime.now().isoformat()} supervising {args.job_dir} (pid {os.getpid()})", flush=True)
+    code = Supervisor(args.job_dir, args.root).main()
+    print(f"{dt.datetime.now().isoformat()} done (exit {code})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""gemctl: submit and watch GEM jobs from a shell. A thin layer over GEMClient.
+
+Exit codes (stable, for scripts):
+
+    0  success
+    1  the job failed (phase Failed or Invalid)
+    2  usage or validation error (bad flags, bad kind, invalid spec)
+    3  not found (job, teacher or pod)
+    4  timed out (wait --timeout)
+    5  backend or API error (unreachable cluster, forbidden, CRDs missing, already exists, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from gem_sdk._client import GEMClient
+from gem_sdk._exceptions import (
+    GEMError,
+    JobFailedError,
+    NotFoundError,
+    ValidationError,
+    WaitTimeoutError,
+)
+from gem_sdk._format import metrics_table, objects_table, to_json, to_yaml
+from gem_sdk._objects import load_documents
+from gem_sdk._types import KubernetesBackendConfig, LocalBackendConfig, Resource, resolve_kind
+
+EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_BACKEND = 0, 1, 2, 3, 4, 5
+
+app = typer.Typer(
+    name="gemctl",
+    help="Submit, inspect and wait for GEMTraining and LoopFMDistill jobs, on a cluster or locally (--local).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _console(stderr: bool = False) -> Console:
+    # Like kubectl, never squeeze tables into 80 columns when the output is not a terminal.
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, highlight=False, soft_wrap=True, width=None if stream.isatty() else 200)
+
+
+class Output(str, Enum):
+    table = "table"
+    yaml = "yaml"
+    json = "json"
+
+
+class Replica(str, Enum):
+    master = "master"
+    worker = "worker"
+
+
+KINDS_HELP = "gemtraining|gemtrainings|gemt|gt|loopfmdistill|loopfmdistills|lfd"
+KindArg = Annotated[str, typer.Argument(help=f"Kind: {KINDS_HELP}.", show_default=False)]
+NameArg = Annotated[str, typer.Argument(help="Name of the job.", show_default=False)]
+LocalOpt = Annotated[bool, typer.Option("--local", help="Use the local backend: run jobs as processes on this machine ($GEM_HOME or ~/.gem).")]
+KubeconfigOpt = Annotated[Optional[str], typer.Option("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).")]
+ContextOpt = Annotated[Optional[str], typer.Option("--context", help="kubeconfig context.")]
+NamespaceOpt = Annotated[Optional[str], typer.Option("-n", "--namespace", help="Namespace (default: the context's, or 'default').")]
+OutputOpt = Annotated[Output, typer.Option("-o", "--output", help="Output format.")]
+TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most (default: forever).")]
+
+
+def _client(local: bool, kubeconfig: str | None, context: str | None, namespace: str | None) -> GEMClient:
+    if local:
+        if kubeconfig or context:
+            raise ValidationError("--local runs jobs on this machine: drop --kubeconfig/--context")
+        return GEMClient(LocalBackendConfig(**({"namespace": namespace} if namespace else {})))
+    return GEMClient(KubernetesBackendConfig(kubeconfig=kubeconfig, context=context, namespace=namespace))
+
+
+def exit_code(error: BaseException) -> int:
+    """The documented exit code of an SDK error."""
+    if isinstance(error, JobFailedError):
+        return EXIT_JOB_FAILED
+    if isinstance(error, ValidationError):
+        return EXIT_USAGE
+    if isinstance(error, NotFoundError):
+        return EXIT_NOT_FOUND
+    if isinstance(error, WaitTimeoutError):
+        return EXIT_TIMEOUT
+    return EXIT_BACKEND
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Print SDK errors as one `Error: ...` message on stderr and exit with their code."""
+    try:
+        yield
+    except GEMError as e:
+        _console(stderr=True).print(f"Error: {e}", style="red", markup=False)
+        raise typer.Exit(exit_code(e)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def _echo(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _ref(obj: Resource) -> str:
+    return f"{obj.kind.lower()}.gem.dev/{obj.metadata.name}"
+
+
+def _show(objs: list[Resource], output: Output, *, single: bool, show_namespace: bool = False,
+          show_kind: bool = False) -> None:
+    if output is Output.yaml:
+        sys.stdout.write(to_yaml(objs, single=single))
+    elif output is Output.json:
+        sys.stdout.write(to_json(objs, single=single) + "\n")
+    else:
+        _console().print(objects_table(objs, show_namespace=show_namespace, show_kind=show_kind))
+
+
+def _show_final(obj: Resource, output: Output) -> None:
+    if output is not Output.table:
+        _show([obj], output, single=True)
+        return
+    phase = obj.status.phase if obj.status else None
+    _console().print(f"{_ref(obj)} {str(phase).lower()}", markup=False)
+    table = metrics_table(obj)
+    if table is not None:
+        _console().print(table)
+    if obj.status and obj.status.latest_checkpoint:
+        _console().print(f"checkpoint: {obj.status.latest_checkpoint}", markup=False)
+    mlflow = obj.status.mlflow if obj.status else None
+    if mlflow and (mlflow.run_url or mlflow.run_id):
+        _console().print(f"mlflow run: {mlflow.run_url or mlflow.run_id}", markup=False)
+
+
+@app.command()
+def submit(
+    filename: Annotated[str, typer.Option("-f", "--filename", help="Manifest file (YAML or JSON; '-' reads stdin). Several documents are submitted in order.", show_default=False)],
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for the job to finish and print its final metrics.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", help="Stream the master's log while it runs (implies --wait).")] = False,
+    timeout: TimeoutOpt = None,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Create the jobs in a manifest; optionally wait for them and show their metrics."""
+    with _errors():
+        docs = load_documents(sys.stdin.read() if filename == "-" else Path(filename))
+        if not docs:
+            raise ValidationError(f"{filename} holds no manifest")
+        client = _client(local, kubeconfig, context, namespace)
+        created = [client.submit(doc, namespace=namespace) for doc in docs]
+        if output is Output.table:
+            for obj in created:
+                _console().print(f"{_ref(obj)} created", markup=False)
+        elif not (wait or follow):
+            _show(created, output, single=len(created) == 1)
+        if not (wait or follow):
+            return
+        for obj in created:
+            if follow:
+                for line in client.logs(obj, follow=True, timeout=timeout):
+                    _echo(line)
+            try:
+                final = client.wait(obj, timeout=timeout)
+            except JobFailedError as e:
+                if e.object is not None:
+                    _show_final(e.object, output)
+                raise
+            _show_final(final, output)
+
+
+@app.command()
+def get(
+    kind: KindArg,
+    name: NameArg,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Show one job (PHASE, PROGRESS, NE, AGE; -o yaml for everything)."""
+    with _errors():
+        kind = resolve_kind(kind)
+        obj = _client(local, kubeconfig, context, namespace).get(name, kind=kind, namespace=namespace)
+        _show([obj], output, single=True)
+
+
+@app.command("list")
+def list_(
+    kind: Annotated[Optional[str], typer.Argument(help=f"Kind: {KINDS_HELP} (default: both).", show_default=False)] = None,
+    selector: Annotated[Optional[str], typer.Option("-l", "--selector", help="Label selector, e.g. team=ads,tier!=dev.")] = None,
+    all_namespaces: Annotated[bool, typer.Option("-A", "--all-namespaces", help="List across all namespaces.")] = False,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """List jobs (both kinds unless KIND is given)."""
+    with _errors():
+        kind = resolve_kind(kind) if kind else None
+        client = _client(local, kubeconfig, context, namespace)
+        objs = client.list(kind=kind, namespace=namespace, label_selector=selector, all_namespaces=all_namespaces)
+        if not objs and output is Output.table:
+            where = "any namespace" if all_namespaces else f"{namespace or client.default_namespace} namespace"
+            _console(stderr=True).print(f"No resources found in {where}.", markup=False)
+            return
+        _show(objs, output, single=False, show_namespace=all_namespaces, show_kind=kind is None)
+
+
+@app.command()
+def wait(
+    kind: KindArg,
+    name: NameArg,
+    timeout: TimeoutOpt = None,
+    for_: Annotated[Optional[list[str]], typer.Option("--for", help="Phase to wait for (repeatable; default: any terminal phase).")] = None,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Wait for a job to finish (exit 1 if it failed, 4 on timeout) and show its final metrics."""
+    with _errors():
+        kind = resolve_kind(kind)
+        client = _client(local, kubeconfig, context, namespace)
+        kwargs = {"until": for_} if for_ else {}
+        try:
+            final = client.wait(name, kind=kind, namespace=namespace, timeout=timeout, **kwargs)
+        except JobFailedError as e:
+            if e.object is not None:
+                _show_final(e.object, output)
+            raise
+        _show_final(final, output)
+
+
+@app.command()
+def logs(
+    kind: KindArg,
+    name: NameArg,
+    replica: Annotated[Replica, typer.Option("--replica", help="Replica type.")] = Replica.master,
+    index: Annotated[int, typer.Option("--index", help="Replica index (workers: 0..numNodes-2).")] = 0,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the pod exits.")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most for the pod to start.")] = None,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Print a trainer pod's log (the master's unless --replica/--index)."""
+    with _errors():
+        kind = resolve_kind(kind)
+        client = _client(local, kubeconfig, context, namespace)
+        for line in client.logs(name, kind=kind, namespace=namespace, replica=replica.value, index=index,
+                                follow=follow, timeout=timeout):
+            _echo(line)
+
+
+@app.command()
+def delete(
+    kind: KindArg,
+    name: NameArg,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Delete a job and stop everything it runs."""
+    with _errors():
+        kind = resolve_kind(kind)
+        _client(local, kubeconfig, context, namespace).delete(name, kind=kind, namespace=namespace)
+        _console().print(f'{kind.lower()}.gem.dev "{name}" deleted', markup=False)
+
+
+def main() -> None:
+    """Entry point of the `gemctl` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

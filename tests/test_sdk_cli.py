@@ -1,0 +1,166 @@
+"""gemctl: output formats and exit codes, on the local backend and against the API test server."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gem_sdk.backends.local import LocalBackend
+from gem_sdk.cli import app
+from tests.test_sdk_local import fake_trainer
+
+MANIFEST = textwrap.dedent(
+    """\
+    apiVersion: gem.dev/v1alpha1
+    kind: GEMTraining
+    metadata:
+      name: {name}
+      labels: {{team: ads}}
+    spec:
+      parallelism: {{numNodes: 1}}
+      training: {{steps: 3}}
+      runPolicy: {{backoffLimit: 0}}
+    """
+)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEM_HOME", str(tmp_path / "gemhome"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(fake_trainer()))
+    yield tmp_path
+    for item in json.loads(gemctl("list", "-A", "--local", "-o", "json").stdout)["items"]:  # stop processes
+        gemctl("delete", item["kind"], item["metadata"]["name"], "-n", item["metadata"]["namespace"], "--local")
+
+
+def gemctl(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def write(tmp_path, name: str = "quick", text: str | None = None):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text if text is not None else MANIFEST.format(name=name))
+    return str(path)
+
+
+def test_submit_wait_prints_the_final_metrics_per_task(home):
+    r = gemctl("submit", "-f", write(home), "--wait", "--timeout", "60", "--local")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "gemtraining.gem.dev/quick created" in out
+    assert "gemtraining.gem.dev/quick succeeded" in out
+    assert "final metrics (NE 0.9300" in out
+    header = next(line for line in out.splitlines() if "METRIC" in line)
+    assert "click" in header and "conversion" in header
+    ne_row = next(line for line in out.splitlines() if line.strip("│ ").startswith("ne "))
+    assert "0.9100" in ne_row and "0.9500" in ne_row
+    assert "mlflow run: abc123" in out
+
+
+def test_get_and_list_formats(home):
+    assert gemctl("submit", "-f", write(home, "a"), "--wait", "--local").exit_code == 0
+    assert gemctl("submit", "-f", write(home, "b"), "--local", "-n", "team-b").exit_code == 0
+
+    table = gemctl("get", "gt", "a", "--local").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "PROGRESS", "NE", "AGE"]
+    assert table[1].split()[:4] == ["a", "Succeeded", "100%", "0.9300"]
+
+    as_yaml = yaml.safe_load(gemctl("get", "gemtraining", "a", "--local", "-o", "yaml").stdout)
+    assert as_yaml["kind"] == "GEMTraining" and as_yaml["status"]["metrics"]["ne/click"] == 0.91
+    as_json = json.loads(gemctl("get", "gemtrainings", "a", "--local", "-o", "json").stdout)
+    assert as_json["metadata"]["name"] == "a"
+
+    listing = gemctl("list", "--local").stdout.splitlines()
+    assert listing[0].split() == ["KIND", "NAME", "PHASE", "PROGRESS", "NE", "AGE"]
+    assert [line.split()[1] for line in listing[1:]] == ["a"]
+    wide = gemctl("list", "gt", "-A", "--local").stdout.splitlines()
+    assert wide[0].split() == ["NAMESPACE", "NAME", "PHASE", "PROGRESS", "NE", "AGE"]
+    assert [line.split()[:2] for line in wide[1:]] == [["default", "a"], ["team-b", "b"]]
+    assert json.loads(gemctl("list", "gemt", "-A", "-l", "team=ads", "--local", "-o", "json").stdout)["kind"] == "List"
+    empty = gemctl("list", "lfd", "--local")
+    assert empty.exit_code == 0 and "No resources found in default namespace." in empty.stderr
+
+
+def test_submit_several_documents_and_stdin(home):
+    both = MANIFEST.format(name="one") + "---\n" + MANIFEST.format(name="two")
+    r = gemctl("submit", "-f", write(home, "both", both), "--local", "--wait", "-o", "json")
+    assert r.exit_code == 0, r.output
+    decoder, text, finals = json.JSONDecoder(), r.stdout.strip(), []
+    while text:
+        obj, end = decoder.raw_decode(text)
+        finals.append(obj)
+        text = text[end:].strip()
+    assert [(o["metadata"]["name"], o["status"]["phase"]) for o in finals] == [("one", "Succeeded"), ("two", "Succeeded")]
+    r = CliRunner().invoke(app, ["submit", "-f", "-", "--local"], input=MANIFEST.format(name="piped"))
+    assert r.exit_code == 0 and "gemtraining.gem.dev/piped created" in r.stdout
+
+
+def test_submit_follow_streams_the_master_log(home):
+    r = gemctl("submit", "-f", write(home, "fol"), "--follow", "--local")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["gemtraining.gem.dev/fol created", "rank 0 of 1 on fol-train-master-0"]
+    assert "gemtraining.gem.dev/fol succeeded" in lines
+
+
+def test_logs_and_delete(home):
+    assert gemctl("submit", "-f", write(home, "l"), "--wait", "--local").exit_code == 0
+    r = gemctl("logs", "gt", "l", "--local")
+    assert r.exit_code == 0 and r.stdout.splitlines()[0] == "rank 0 of 1 on l-train-master-0"
+    assert gemctl("logs", "gt", "l", "--replica", "worker", "--index", "0", "--local").exit_code == 3
+    r = gemctl("delete", "gt", "l", "--local")
+    assert r.exit_code == 0 and 'gemtraining.gem.dev "l" deleted' in r.stdout
+    assert gemctl("get", "gt", "l", "--local").exit_code == 3
+
+
+def test_exit_codes(home, monkeypatch):
+    # 2: usage and validation
+    assert gemctl("get", "gt").exit_code == 2
+    r = gemctl("get", "pods", "x", "--local")
+    assert r.exit_code == 2 and "unknown kind 'pods'" in r.stderr
+    bad = write(home, "bad", MANIFEST.format(name="bad").replace("steps: 3", "steps: 0"))
+    r = gemctl("submit", "-f", bad, "--local")
+    assert r.exit_code == 2 and "spec.training.steps" in r.stderr and "greater than or equal to 1" in r.stderr
+    assert gemctl("get", "gt", "x", "--local", "--context", "prod").exit_code == 2
+    # 3: not found
+    r = gemctl("get", "gt", "ghost", "--local")
+    assert r.exit_code == 3 and "GEMTraining default/ghost not found" in r.stderr
+    # 1: the job failed
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(fake_trainer("fail")))
+    r = gemctl("submit", "-f", write(home, "f"), "--wait", "--local")
+    assert r.exit_code == 1 and "data.path /no/such/dir does not exist" in r.stderr
+    assert gemctl("wait", "gt", "f", "--local").exit_code == 1
+    # 4: timeout
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(fake_trainer("sleep")))
+    assert gemctl("submit", "-f", write(home, "s"), "--local").exit_code == 0
+    r = gemctl("wait", "gt", "s", "--timeout", "0.5", "--local")
+    assert r.exit_code == 4 and "timed out" in r.stderr
+    assert gemctl("wait", "gt", "s", "--for", "Running", "--timeout", "30", "--local").exit_code == 0
+    # 5: backend (already exists, unreachable cluster)
+    assert gemctl("submit", "-f", write(home, "s"), "--local").exit_code == 5
+    kubeconfig = home / "kc"
+    from tests.kubeapi import write_kubeconfig
+
+    write_kubeconfig(kubeconfig, "http://127.0.0.1:9")
+    assert gemctl("list", "--kubeconfig", str(kubeconfig)).exit_code == 5
+
+
+def test_against_the_api_server(kubeapi, tmp_path):
+    kc = str(kubeapi.kubeconfig_path)
+    r = gemctl("submit", "-f", write(tmp_path, "k8s"), "--kubeconfig", kc, "-o", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["metadata"]["uid"]
+    kubeapi.patch_status("gem.dev/v1alpha1", "GEMTraining", "k8s", {
+        "phase": "Succeeded", "ne": 0.8, "progress": {"step": 3, "totalSteps": 3, "percent": 100},
+        "metrics": {"ne/click": 0.79, "ne/conversion": 0.81}})
+    r = gemctl("wait", "gt", "k8s", "--kubeconfig", kc, "--timeout", "10")
+    assert r.exit_code == 0 and "succeeded" in r.stdout and "0.7900" in r.stdout
+    rows = gemctl("list", "gt", "--kubeconfig", kc, "-l", "team=ads").stdout.splitlines()
+    assert rows[1].split()[:4] == ["k8s", "Succeeded", "100%", "0.8000"]
+    assert gemctl("delete", "gt", "k8s", "--kubeconfig", kc).exit_code == 0
+    assert gemctl("get", "gt", "k8s", "--kubeconfig", kc).exit_code == 3
