@@ -89,3 +89,4 @@ def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     job = kube.get_pytorchjob(body["metadata"]["namespace"], body["status"]["pytorchJob"])
     if job is not None:
         reconcile.sync_from_job(job, logger)
+    reconcile.sync_progress(body["kind"], dict(body))

@@ -23,6 +23,8 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # the master's recent log lines carry the trainer's progress (see reconcile.progress_from_log)
+    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     # kopf: discovery of the resources it serves, and namespaces when running cluster-wide.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
@@ -134,3 +136,13 @@ def list_job_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
         namespace, label_selector=f"training.kubeflow.org/job-name={job_name}", _preload_content=False
     )
     return json.loads(resp.data)["items"]
+
+
+def pod_log_tail(namespace: str, pod: str, lines: int = 50) -> str | None:
+    """The last `lines` lines of a pod's `pytorch` container, or None if it has none yet."""
+    try:
+        return core().read_namespaced_pod_log(pod, namespace, container="pytorch", tail_lines=lines)
+    except ApiException as e:
+        if e.status in (400, 404):  # not started yet, or gone
+            return None
+        raise

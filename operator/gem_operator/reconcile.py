@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from typing import Any
 
 import kopf
@@ -246,3 +247,28 @@ def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
     new = {**status, **mirror_job(status, job, parent, logger)}
     if new != status:
         kube.patch_status(kind, ns, name, new)
+
+
+# The trainer's structured progress line (gem/train/trainer.py, docs/trainer.md):
+#   ... step step=120 total_steps=400 lr=... loss=...
+_PROGRESS = re.compile(r"\bstep step=(\d+) total_steps=(\d+)\b")
+
+
+def progress_from_log(text: str | None) -> dict[str, int] | None:
+    """The latest progress the trainer logged, as a status.progress dict."""
+    matches = _PROGRESS.findall(text or "")
+    if not matches:
+        return None
+    step, total = (int(x) for x in matches[-1])
+    return {"step": step, "totalSteps": total, "percent": min(100, int(100 * step / total)) if total else 0}
+
+
+def sync_progress(kind: str, body: dict[str, Any]) -> None:
+    """Copy the running trainer's progress from its master pod's log tail into status.progress."""
+    status = body.get("status") or {}
+    if status.get("phase") != Phase.running.value:
+        return
+    ns, job_name = body["metadata"]["namespace"], status["pytorchJob"]
+    progress = progress_from_log(kube.pod_log_tail(ns, f"{job_name}-master-0"))
+    if progress and progress != status.get("progress"):
+        kube.patch_status(kind, ns, body["metadata"]["name"], {"progress": progress})
