@@ -237,7 +237,9 @@ def test_rbac_grants_nothing_dangerous() -> None:
     assert "*" not in resources | verbs | {g for g, _, _ in everything}
     assert not resources & {"secrets", "pods/exec", "pods/attach", "pods/portforward", "serviceaccounts/token", "nodes"}
     assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
-    assert all(r.endswith("/status") or "/" not in r for r in resources)
+    # Subresources: status (ours) and pods/log, read-only (the trainer's progress lines).
+    assert all(r.endswith("/status") or "/" not in r or r == "pods/log" for r in resources)
+    assert {v for _, r, v in everything if r == "pods/log"} == {"get"}
 
 
 def test_rbac_create_false_renders_no_rbac() -> None:

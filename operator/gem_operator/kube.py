@@ -141,7 +141,11 @@ def list_job_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
 def pod_log_tail(namespace: str, pod: str, lines: int = 50) -> str | None:
     """The last `lines` lines of a pod's `pytorch` container, or None if it has none yet."""
     try:
-        return core().read_namespaced_pod_log(pod, namespace, container="pytorch", tail_lines=lines)
+        # Raw bytes: the client would turn log text that looks like JSON into a Python repr.
+        resp = core().read_namespaced_pod_log(
+            pod, namespace, container="pytorch", tail_lines=lines, _preload_content=False
+        )
+        return resp.data.decode("utf-8", errors="replace")
     except ApiException as e:
         if e.status in (400, 404):  # not started yet, or gone
             return None

@@ -1,0 +1,19 @@
+"""Run PyTorchJobs as local processes (torch-free).
+
+`gem.launcher.env` computes the environment Kubeflow training-operator v1.9 injects;
+`gem.launcher.local` runs pods/jobs as local process groups with kubelet-like mount
+emulation. Used by the SDK's local backend and by the test API server's executor.
+"""
+
+from .env import container_env, replica_name, training_operator_env
+from .local import ContainerState, LocalPod, LocalPyTorchJob, free_port
+
+__all__ = [
+    "ContainerState",
+    "LocalPod",
+    "LocalPyTorchJob",
+    "container_env",
+    "free_port",
+    "replica_name",
+    "training_operator_env",
+]

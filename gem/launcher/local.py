@@ -1,0 +1,521 @@
+"""Run a PyTorchJob's replicas as local processes, the way a kubelet would run its pods.
+
+No cluster, no containers, no torch import. Two layers:
+
+* `LocalPod` runs one pod's `pytorch` container (or its first container) as a process
+  group in a sandbox directory, emulating the kubelet's mounts by *path remapping*:
+
+  - `configMap` volumes are written as files under `<sandbox>/volumes/<volume>/`
+    (`items` honoured; `binaryData` decoded), `secret` volumes likewise;
+  - `emptyDir` volumes are empty directories under the sandbox;
+  - `persistentVolumeClaim` volumes are `<claims_dir>/<claimName>/`, shared by every pod
+    (and every job) using that claim, and kept after the pod is gone;
+  - `hostPath` volumes are the host path itself (identity);
+  - the container's `terminationMessagePath` (default `/dev/termination-log`) is
+    `<sandbox>/termination-log`.
+
+  Every occurrence of a mountPath (or of the terminationMessagePath) as a path prefix in
+  the container's `command`, `args` and env values, and in the text files materialised
+  from ConfigMaps, is rewritten to the local directory (longest mountPath first;
+  `subPath` honoured). The process runs with the sandbox as working directory and a PATH
+  whose first entry is the running interpreter's bin directory (so `gem`, `torchrun`
+  from the same virtualenv resolve). When it exits, up to 4096 bytes of the termination
+  message file become the message (policy `FallbackToLogsOnError`: the last 80 lines,
+  at most 2048 bytes, of the log when the file is empty and the container failed).
+
+* `LocalPyTorchJob` creates a `LocalPod` per replica with exactly the environment
+  training-operator v1.9 injects (see `gem.launcher.env`), mapping the master's Service
+  address to 127.0.0.1 and its port to a free local port, and decides the job's outcome
+  like the operator: the job succeeds when the master succeeds (all workers when there is
+  no master) and fails when a replica fails beyond `runPolicy.backoffLimit` restarts
+  (replicas with restartPolicy OnFailure/Always restart in place; ExitCode restarts only
+  on exit codes >= 128; Never does not restart).
+
+The process environment is a small base (`BASE_ENV_KEYS` copied from this process when
+set, `PATH` with the interpreter's bin dir first, and `HOSTNAME` = pod name) plus the
+container's `envFrom`/`env` plus the operator's variables. Nothing else of the caller's
+environment leaks in.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .env import EnvError, SecretResolver, container_env, expand, replica_name, training_operator_env
+
+BASE_ENV_KEYS = ("HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT", "USER")
+DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+MAX_TERMINATION_BYTES = 4096
+FALLBACK_LINES = 80
+FALLBACK_BYTES = 2048
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ContainerState:
+    """What the kubelet would report for the container."""
+
+    phase: str = "Pending"  # Pending, Running, Succeeded, Failed
+    exit_code: int | None = None
+    reason: str | None = None  # Completed, Error, StartError, CreateContainerConfigError
+    message: str = ""
+    started_at: str | None = None
+    finished_at: str | None = None
+    restart_count: int = 0
+    pid: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+def _pick_container(pod_spec: Mapping[str, Any], name: str | None) -> dict:
+    containers = list(pod_spec.get("containers") or [])
+    if not containers:
+        raise ValueError("pod spec has no containers")
+    if name:
+        for c in containers:
+            if c.get("name") == name:
+                return dict(c)
+    for c in containers:
+        if c.get("name") == "pytorch":
+            return dict(c)
+    return dict(containers[0])
+
+
+class LocalPod:
+    """One pod's main container run as a local process group.
+
+    Args:
+        name: the pod name (also HOSTNAME and the log file's name).
+        pod_spec: the pod's `spec` (containers, volumes).
+        sandbox: the pod's private directory (created; reused by restarts).
+        extra_env: (name, value) pairs appended after the container's env (operator vars).
+        configmaps: ConfigMap name -> data, for configMap volumes, envFrom and
+            configMapKeyRef.
+        secrets: Secret name -> decoded data (or None), for secret volumes and refs.
+        claims_dir: where persistentVolumeClaim volumes live (default `<sandbox>/../claims`).
+        container: the container to run (default `pytorch`, else the first).
+        log_path: the log file (default `<sandbox>/<name>.log`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        pod_spec: Mapping[str, Any],
+        sandbox: str | os.PathLike,
+        extra_env: Iterable[tuple[str, str]] = (),
+        configmaps: Mapping[str, Mapping[str, str]] | None = None,
+        secrets: SecretResolver | None = None,
+        claims_dir: str | os.PathLike | None = None,
+        container: str | None = None,
+        log_path: str | os.PathLike | None = None,
+        rewrite_files: bool = True,
+    ) -> None:
+        self.name = name
+        self.pod_spec = pod_spec
+        self.container = _pick_container(pod_spec, container)
+        self.sandbox = Path(sandbox)
+        self.claims_dir = Path(claims_dir) if claims_dir else self.sandbox.parent / "claims"
+        self.extra_env = list(extra_env)
+        self.configmaps = dict(configmaps or {})
+        self.secrets = secrets
+        self.rewrite_files = rewrite_files
+        self.log_path = Path(log_path) if log_path else self.sandbox / f"{name}.log"
+        self.state = ContainerState()
+        self.proc: subprocess.Popen | None = None
+        self.mounts: dict[str, str] = {}
+        self._prepared = False
+        self._rewrite_re: re.Pattern | None = None
+        self.termination_path = self.container.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH
+        self.local_termination_path = self.sandbox / "termination-log"
+
+    # ------------------------------------------------------------------ mounts
+
+    def _materialise(self, vol: Mapping[str, Any], target: Path) -> Path:
+        if "hostPath" in vol:
+            p = Path(vol["hostPath"]["path"])
+            if (vol["hostPath"].get("type") or "") in ("DirectoryOrCreate", ""):
+                p.mkdir(parents=True, exist_ok=True)
+            return p
+        if "persistentVolumeClaim" in vol:
+            p = self.claims_dir / vol["persistentVolumeClaim"]["claimName"]
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        target.mkdir(parents=True, exist_ok=True)
+        if "configMap" in vol or "secret" in vol:
+            src = vol.get("configMap") or vol.get("secret") or {}
+            if "configMap" in vol:
+                data = self.configmaps.get(src.get("name", ""))
+            else:
+                data = self.secrets(src.get("secretName", "")) if self.secrets else None
+            if data is None:
+                if not src.get("optional"):
+                    raise EnvError(f'{"configmap" if "configMap" in vol else "secret"} "{src.get("name") or src.get("secretName")}" not found')
+                data = {}
+            items = src.get("items")
+            pairs = [(it["key"], it["path"]) for it in items] if items else [(k, k) for k in data]
+            for key, rel in pairs:
+                if key not in data:
+                    continue
+                f = target / rel
+                f.parent.mkdir(parents=True, exist_ok=True)
+                val = data[key]
+                if isinstance(val, bytes):
+                    f.write_bytes(val)
+                else:
+                    f.write_text(val)
+        return target
+
+    def _prepare(self) -> None:
+        if self._prepared:
+            return
+        self.sandbox.mkdir(parents=True, exist_ok=True)
+        vols: dict[str, Path] = {}
+        identity: set[str] = set()
+        for vol in self.pod_spec.get("volumes") or []:
+            vols[vol["name"]] = self._materialise(vol, self.sandbox / "volumes" / vol["name"])
+            if "hostPath" in vol:
+                identity.add(vol["name"])
+        for m in self.container.get("volumeMounts") or []:
+            base = vols.get(m["name"])
+            if base is None:
+                raise EnvError(f'volume "{m["name"]}" not found in pod {self.name}')
+            if m["name"] in identity and not m.get("subPath"):
+                if m["mountPath"] != str(base):
+                    self.mounts[m["mountPath"].rstrip("/") or "/"] = str(base)
+                continue
+            local = base / m["subPath"] if m.get("subPath") else base
+            self.mounts[m["mountPath"].rstrip("/") or "/"] = str(local)
+        self.mounts[self.termination_path] = str(self.local_termination_path)
+        if self.mounts:
+            alts = "|".join(re.escape(p) for p in sorted(self.mounts, key=len, reverse=True))
+            self._rewrite_re = re.compile(r"(?<![\w.\-/])(" + alts + r")(?=$|/|[^\w.\-])")
+        if self.rewrite_files:
+            for vol in self.pod_spec.get("volumes") or []:
+                if "configMap" in vol:
+                    for f in vols[vol["name"]].rglob("*"):
+                        if f.is_file():
+                            try:
+                                text = f.read_text()
+                            except (UnicodeDecodeError, OSError):
+                                continue
+                            new = self.rewrite(text)
+                            if new != text:
+                                f.write_text(new)
+        self._prepared = True
+
+    def rewrite(self, value: str) -> str:
+        """Map container paths under a mountPath to their local directories."""
+        if self._rewrite_re is None:
+            return value
+        return self._rewrite_re.sub(lambda m: self.mounts[m.group(1)], value)
+
+    # ------------------------------------------------------------------ env / argv
+
+    def environment(self) -> dict[str, str]:
+        """The exact process environment (base + container env + operator env)."""
+        self._prepare()
+        base = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
+        bindir = os.path.dirname(sys.executable)
+        base["PATH"] = bindir + os.pathsep + os.environ.get("PATH", os.defpath)
+        base["HOSTNAME"] = self.name
+        env = container_env(self.container, self.extra_env, self.configmaps, self.secrets)
+        env = {k: self.rewrite(v) for k, v in env.items()}
+        return {**base, **env}
+
+    def argv(self, env: Mapping[str, str]) -> list[str]:
+        cmd = [str(x) for x in (self.container.get("command") or [])]
+        args = [str(x) for x in (self.container.get("args") or [])]
+        argv = [self.rewrite(expand(a, env)) for a in cmd + args]
+        if not argv:
+            raise EnvError("container has neither command nor args (no image entrypoint locally)")
+        return argv
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> ContainerState:
+        """Start the container (no-op when it is running)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.state
+        st = self.state
+        try:
+            self._prepare()
+            env = self.environment()
+            argv = self.argv(env)
+        except EnvError as e:
+            self._finish(1, "CreateContainerConfigError", str(e))
+            return st
+        exe = shutil.which(argv[0], path=env["PATH"]) if os.sep not in argv[0] else argv[0]
+        if exe is None:
+            self._finish(128, "StartError", f'exec: "{argv[0]}": executable file not found in $PATH')
+            return st
+        try:
+            self.local_termination_path.write_bytes(b"")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [exe] + argv[1:], cwd=self.sandbox, env=env, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+        except OSError as e:
+            self._finish(128, "StartError", str(e))
+            return st
+        st.phase, st.pid = "Running", self.proc.pid
+        st.started_at, st.finished_at, st.exit_code, st.reason, st.message = now_iso(), None, None, None, ""
+        return st
+
+    def _finish(self, code: int, reason: str | None = None, message: str | None = None) -> None:
+        st = self.state
+        st.exit_code = code
+        st.phase = "Succeeded" if code == 0 else "Failed"
+        st.reason = reason or ("Completed" if code == 0 else "Error")
+        st.finished_at = now_iso()
+        st.started_at = st.started_at or st.finished_at
+        if message is None:
+            message = self._termination_message(code)
+        st.message = message
+
+    def _termination_message(self, code: int) -> str:
+        try:
+            with open(self.local_termination_path, "rb") as f:
+                msg = f.read(MAX_TERMINATION_BYTES)
+        except OSError:
+            msg = b""
+        policy = self.container.get("terminationMessagePolicy") or "File"
+        if not msg.strip() and code != 0 and policy == "FallbackToLogsOnError":
+            try:
+                data = self.log_path.read_bytes()
+            except OSError:
+                data = b""
+            msg = b"".join(data.splitlines(keepends=True)[-FALLBACK_LINES:])[-FALLBACK_BYTES:]
+        return msg.decode(errors="replace")
+
+    def poll(self) -> ContainerState:
+        """Refresh and return the state (non-blocking)."""
+        if self.proc is not None and self.state.phase == "Running":
+            code = self.proc.poll()
+            if code is not None:
+                if code < 0:  # killed by a signal: the runtime reports 128 + signal
+                    code = 128 - code
+                self._finish(code)
+        return self.state
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        """SIGTERM the whole process group (non-blocking)."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, including any process still in it."""
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace: float = 5.0) -> ContainerState:
+        """SIGTERM, wait up to `grace` seconds, then SIGKILL; blocks until it exited."""
+        if self.proc is None:
+            return self.state
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()  # also reaps stragglers left in the group
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.poll()
+
+    def restart(self) -> ContainerState:
+        """Restart the container in place (same sandbox), like the kubelet under
+        restartPolicy OnFailure/Always; the previous log is kept as `<log>.previous`."""
+        if self.running:
+            self.stop()
+        if self.log_path.exists():
+            os.replace(self.log_path, str(self.log_path) + ".previous")
+        self.state.restart_count += 1
+        self.proc = None
+        return self.start()
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class ReplicaInfo:
+    replica_type: str  # "Master" / "Worker"
+    index: int
+    pod: LocalPod
+    restart_policy: str = "OnFailure"
+
+
+class LocalPyTorchJob:
+    """Run a whole PyTorchJob (the dict you would `kubectl apply`) as local processes.
+
+    Example::
+
+        job = LocalPyTorchJob(pytorchjob_dict, workdir="/tmp/run1",
+                              configmaps={"my-config": {"config.yaml": "..."}})
+        job.start()
+        phase = job.wait(timeout=600)         # "Succeeded" or "Failed"
+        print(job.logs("my-job-master-0"))
+        job.stop()
+
+    Args:
+        job: the PyTorchJob object (kubeflow.org/v1).
+        workdir: pods' sandboxes go to `<workdir>/pods/<pod>`, logs to `<workdir>/logs`.
+        configmaps: ConfigMap name -> data for volumes and env references.
+        secrets: Secret name -> decoded data dict (or None when missing).
+        claims_dir: where PVCs live (default `<workdir>/claims`).
+        master_addr / master_port: what MASTER_ADDR / MASTER_PORT become locally
+            (default 127.0.0.1 and a free port).
+    """
+
+    def __init__(
+        self,
+        job: Mapping[str, Any],
+        workdir: str | os.PathLike,
+        configmaps: Mapping[str, Mapping[str, str]] | None = None,
+        secrets: SecretResolver | None = None,
+        claims_dir: str | os.PathLike | None = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+    ) -> None:
+        self.job = job
+        self.name = job["metadata"]["name"]
+        self.workdir = Path(workdir)
+        self.master_addr = master_addr
+        self.master_port = master_port or free_port()
+        self.replicas: dict[str, ReplicaInfo] = {}
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        run_policy = job["spec"].get("runPolicy") or {}
+        self.backoff_limit = run_policy.get("backoffLimit")
+        self.restarts = 0
+        rdzv = f"{master_addr}:{self.master_port}"
+        for rtype in sorted(specs, key=lambda r: (r != "Master", r)):
+            spec = specs[rtype]
+            for i in range(int(spec.get("replicas") if spec.get("replicas") is not None else 1)):
+                pod_name = replica_name(self.name, rtype, i)
+                extra = training_operator_env(job, rtype, i, master_addr, self.master_port, rdzv_endpoint=rdzv)
+                pod = LocalPod(
+                    pod_name, (spec.get("template") or {}).get("spec") or {}, self.workdir / "pods" / pod_name,
+                    extra_env=extra, configmaps=configmaps, secrets=secrets,
+                    claims_dir=claims_dir or self.workdir / "claims", log_path=self.workdir / "logs" / f"{pod_name}.log",
+                )
+                self.replicas[pod_name] = ReplicaInfo(rtype, i, pod, spec.get("restartPolicy") or "OnFailure")
+
+    @property
+    def pods(self) -> dict[str, LocalPod]:
+        return {n: r.pod for n, r in self.replicas.items()}
+
+    def start(self) -> None:
+        for r in self.replicas.values():
+            r.pod.start()
+
+    def poll(self) -> dict[str, ContainerState]:
+        """Refresh every replica, restarting failed ones within the backoff limit."""
+        for r in self.replicas.values():
+            st = r.pod.poll()
+            if st.phase == "Failed" and self._restartable(r, st):
+                self.restarts += 1
+                r.pod.restart()
+        return {n: r.pod.state for n, r in self.replicas.items()}
+
+    def _restartable(self, r: ReplicaInfo, st: ContainerState) -> bool:
+        if self.phase_now() != "Running":
+            return False
+        if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
+            return False
+        return self.backoff_limit is None or self.restarts < int(self.backoff_limit)
+
+    def phase_now(self) -> str:
+        states = {n: r for n, r in self.replicas.items()}
+        masters = [r for r in states.values() if r.replica_type == "Master"]
+        decisive = masters or list(states.values())
+        if decisive and all(r.pod.state.phase == "Succeeded" for r in decisive):
+            return "Succeeded"
+        for r in states.values():
+            st = r.pod.state
+            if st.phase == "Failed":
+                if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
+                    return "Failed"
+                if self.backoff_limit is not None and self.restarts >= int(self.backoff_limit):
+                    return "Failed"
+        return "Running"
+
+    @property
+    def phase(self) -> str:
+        self.poll()
+        return self.phase_now()
+
+    def wait(self, timeout: float | None = None, interval: float = 0.1) -> str:
+        """Block until the job succeeds or fails (or timeout: returns "Running")."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ph = self.phase
+            if ph != "Running":
+                return ph
+            if deadline is not None and time.monotonic() >= deadline:
+                return ph
+            time.sleep(interval)
+
+    def stop(self, grace: float = 5.0) -> None:
+        for r in self.replicas.values():
+            r.pod.terminate()
+        end = time.monotonic() + grace
+        for r in self.replicas.values():
+            r.pod.stop(max(0.0, end - time.monotonic()))
+
+    def logs(self, pod_name: str) -> str:
+        return self.replicas[pod_name].pod.logs()
+
+    def __enter__(self) -> "LocalPyTorchJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def decode_configmap(cm: Mapping[str, Any]) -> dict[str, Any]:
+    """A ConfigMap object's `data` plus decoded `binaryData` as one dict."""
+    out: dict[str, Any] = dict(cm.get("data") or {})
+    for k, v in (cm.get("binaryData") or {}).items():
+        out[k] = base64.b64decode(v)
+    return out

@@ -1,0 +1,54 @@
+"""gem.launcher: the training-operator env contract and local runs without any server."""
+
+from __future__ import annotations
+
+import sys
+
+from gem.launcher import LocalPyTorchJob, training_operator_env
+from gem.launcher.env import container_env
+from tests.kubeapi.testing import pytorchjob
+
+
+def test_env_contract_master_and_workers():
+    job = pytorchjob("j", ["x"], workers=3, nprocPerNode="4")
+    env = dict(training_operator_env(job, "Worker", 2))
+    assert env == {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456", "MASTER_ADDR": "j-master-0",
+                   "PET_MASTER_ADDR": "j-master-0", "WORLD_SIZE": "16", "RANK": "3", "PET_NODE_RANK": "3",
+                   "PET_NPROC_PER_NODE": "4", "PET_NNODES": "4"}
+    names = [k for k, _ in training_operator_env(job, "Master", 0, "127.0.0.1", 5555)]
+    assert names == ["PYTHONUNBUFFERED", "MASTER_PORT", "PET_MASTER_PORT", "MASTER_ADDR", "PET_MASTER_ADDR", "WORLD_SIZE",
+                     "RANK", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "PET_NNODES"]
+    # nprocPerNode defaults to "auto", which counts as 1 in WORLD_SIZE
+    dflt = dict(training_operator_env(pytorchjob("k", ["x"], workers=1), "Master", 0))
+    assert dflt["PET_NPROC_PER_NODE"] == "auto" and dflt["WORLD_SIZE"] == "2"
+    # worker-only jobs get no master variables
+    wonly = dict(training_operator_env(pytorchjob("w", None, ["x"], workers=2), "Worker", 0))
+    assert wonly == {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "2"}
+
+
+def test_elastic_env():
+    job = pytorchjob("e", None, ["x"], workers=2, elasticPolicy={"minReplicas": 1, "maxReplicas": 3, "maxRestarts": 2,
+                                                               "rdzvId": "r", "rdzvConf": [{"key": "a", "value": "b"}]})
+    env = dict(training_operator_env(job, "Worker", 0))
+    assert env["PET_RDZV_ENDPOINT"] == "e-worker-0:23456" and env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_NNODES"] == "1:3" and env["PET_MAX_RESTARTS"] == "2" and env["PET_RDZV_CONF"] == "a=b"
+
+
+def test_operator_vars_override_user_env_and_expand():
+    c = {"env": [{"name": "RANK", "value": "99"}, {"name": "A", "value": "$(B)$$(C)"}, {"name": "B", "value": "b"}]}
+    env = container_env(c, [("RANK", "0")])
+    assert env["RANK"] == "0" and env["A"] == "$(B)$(C)"
+
+
+def test_local_job_runs_and_fails_like_the_operator(tmp_path):
+    script = "import os, sys; print(os.environ['RANK']); sys.exit(int(os.environ['RANK']) == 2)"
+    job = pytorchjob("loc", ["python", "-c", script], workers=2, run_policy={"backoffLimit": 1})
+    with LocalPyTorchJob(job, tmp_path) as run:
+        run.start()
+        assert run.wait(timeout=30) == "Succeeded"  # the master decides
+        assert run.logs("loc-master-0") == "0\n"
+    job = pytorchjob("loc", [sys.executable, "-c", "raise SystemExit(4)"], run_policy={"backoffLimit": 1})
+    with LocalPyTorchJob(job, tmp_path / "2") as run:
+        run.start()
+        assert run.wait(timeout=30) == "Failed"
+        assert run.pods["loc-master-0"].state.restart_count == 1 and run.pods["loc-master-0"].state.exit_code == 4
