@@ -1,0 +1,159 @@
+"""`gem`: what a training pod runs.
+
+    gem train   --config FILE                 # FILE: a GEMTraining manifest
+    gem distill --config FILE                 # FILE: a LoopFMDistill manifest
+    gem eval    --config FILE [--checkpoint DIR]
+    torchrun --nnodes N --nproc-per-node P -m gem train --config /etc/gem/config.yaml
+
+The operator writes the resolved manifest to /etc/gem/config.yaml and sets
+GEM_TERMINATION_MESSAGE_PATH; the final report (or the error) goes there, see gem/train/report.py.
+Exit codes: 0 done, 1 training failed, 2 bad config or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("gem")
+
+EXPECTED_KIND = {"train": "GEMTraining", "distill": "LoopFMDistill"}
+
+
+class ConfigError(Exception):
+    """The config file is missing, not YAML, or not a valid manifest; the message names the field."""
+
+
+def load_manifest(path: str | os.PathLike, *, kind: str | None = None) -> Any:
+    """Read and validate a GEMTraining / LoopFMDistill manifest; local runs default to namespace `local`."""
+    from pydantic import ValidationError
+
+    from gem.api import parse_object
+
+    try:
+        obj = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{path} must hold one manifest (a mapping with apiVersion, kind, metadata, spec)")
+    if kind and obj.get("kind") != kind:
+        raise ConfigError(f"{path}: kind must be {kind} for this command, got {obj.get('kind')!r}")
+    try:
+        manifest = parse_object(obj)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            lines.append(f"  {field}: {err['msg']}{got}")
+        raise ConfigError(f"{path} is not a valid {obj.get('kind')}:\n" + "\n".join(lines)) from e
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    manifest.metadata.namespace = manifest.metadata.namespace or "local"
+    return manifest
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s rank={rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _writes_errors() -> bool:
+    # Each pod has its own termination log: local rank 0 of every pod reports a failure there.
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _train(manifest: Any, command: str) -> int:
+    from gem.train import report as final_report
+    from gem.train.dist import init_distributed, shutdown
+    from gem.train.trainer import Trainer
+
+    env = init_distributed()
+    try:
+        if command == "train":
+            from gem.train.task import GEMTask
+
+            task = GEMTask(manifest)
+        else:
+            from gem.distill.task import DistillTask
+
+            task = DistillTask(manifest, device=env.device)
+        result = Trainer(task, env).run()
+        if env.is_main:
+            final_report.write(result)
+            print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        shutdown()
+
+
+def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
+    import torch
+
+    from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
+    from gem.train import checkpoint
+    from gem.train.task import load_splits
+
+    if checkpoint_dir is None:
+        meta = manifest.metadata
+        job = checkpoint.job_dir(manifest.spec.checkpoint.path, meta.namespace, meta.name)
+        latest = checkpoint.latest_complete(job)
+        if latest is None:
+            raise ConfigError(f"no complete checkpoint under {job}: train first or pass --checkpoint DIR")
+        checkpoint_dir = str(latest)
+    model, _ = checkpoint.load_model(checkpoint_dir)
+    _, eval_examples = load_splits(manifest.spec.data)
+    preds = collect_predictions(model, eval_examples, max_seq_len=model.max_seq_len, rank=0, world_size=1,
+                                device=torch.device("cpu"))
+    metrics = metrics_from_predictions([preds])
+    print(json.dumps({"checkpoint": checkpoint_dir, "ne": finite_or_none(metrics)["ne"],
+                      "metrics": finite_or_none(metrics)}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gem", description="Train, distil and evaluate GEM models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "train a GEM model from a GEMTraining manifest"),
+                            ("distill", "distil a GEM teacher into a student from a LoopFMDistill manifest"),
+                            ("eval", "NE/AUC of a checkpoint on the eval split, as JSON")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", required=True, help="path of the manifest (YAML)")
+        if name == "eval":
+            p.add_argument("--checkpoint", help="checkpoint directory (default: the job's latest)")
+    args = parser.parse_args(argv)
+    _setup_logging()
+    from gem.train import report as final_report
+
+    try:
+        manifest = load_manifest(args.config, kind=EXPECTED_KIND.get(args.command))
+        if args.command == "eval":
+            return _eval(manifest, args.checkpoint)
+        return _train(manifest, args.command)
+    except ConfigError as e:
+        print(f"gem {args.command}: {e}", file=sys.stderr)
+        if _writes_errors():
+            final_report.write(final_report.error_payload(e))
+        return 2
+    except BaseException as e:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
+        log.exception("gem %s failed", args.command)
+        if _writes_errors():
+            final_report.write(final_report.error_payload(e))
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Distillation of a GEM teacher into a small student (`gem distill`)."""

@@ -1,0 +1,15 @@
+"""The GEM model. Everything outside this package builds it through `build_model(spec)`."""
+
+from __future__ import annotations
+
+from gem.api.types import ModelSpec
+from gem.model.config import PRESETS, GEMConfig, config_from_spec
+from gem.model.gem import TASKS, GEMModel
+
+
+def build_model(spec: ModelSpec) -> GEMModel:
+    """A freshly initialised GEM model of the size spec describes (call under torch.manual_seed)."""
+    return GEMModel(config_from_spec(spec))
+
+
+__all__ = ["GEMConfig", "GEMModel", "PRESETS", "TASKS", "build_model", "config_from_spec"]

@@ -1,0 +1,30 @@
+"""Multi-task BCE: click on every impression, conversion (post-click CVR) only on clicked ones."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from gem.data.batch import Batch
+
+
+def task_masks(batch: Batch) -> dict[str, torch.Tensor]:
+    """Which examples carry a label for each task, float [B]."""
+    return {"click": batch.weight, "conversion": batch.weight * batch.click}
+
+
+def task_labels(batch: Batch) -> dict[str, torch.Tensor]:
+    return {"click": batch.click, "conversion": batch.conversion}
+
+
+def masked_bce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean BCE over the examples where mask is 1 (0 if there are none)."""
+    per_example = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none")
+    return (per_example * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def multitask_bce(logits: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of the per-task losses, and each task's loss for logging."""
+    labels, masks = task_labels(batch), task_masks(batch)
+    parts = {task: masked_bce(logits[task], labels[task], masks[task]) for task in logits}
+    return sum(parts.values()), parts

@@ -1,0 +1,212 @@
+"""Checkpoints: atomic, resumable, and self-describing.
+
+Layout, under <spec.checkpoint.path>/<namespace>/<name>/:
+
+    step-00000200/
+      COMPLETE                      # written last: only directories holding it are checkpoints
+      gem.yaml                      # the manifest the model was trained from
+      model.pt                      # consolidated fp32 state dict (gathered under ZeRO-3)
+      trainer_state.json            # step, totalSteps, loader position, MLflow run id
+      rng/rank-00000.pt             # per-rank RNG states
+      mp_rank_00_model_states.pt    # DeepSpeed's own files (optimizer/ZeRO shards, scheduler)
+      ...
+    .tmp-step-00000300/             # a save in progress (or one that crashed): never loaded
+
+Saving: all ranks write into the temp dir -> barrier -> rank 0 renames it to step-XXXXXXXX and
+writes COMPLETE -> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any
+point leaves either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`.
+With several nodes, checkpoint.path must be shared storage (checkpoint.claimName): otherwise a
+node's shards are invisible to the others and resuming starts from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from gem.train.dist import DistEnv, barrier, broadcast_object, all_gather_objects
+
+log = logging.getLogger("gem.train")
+
+COMPLETE = "COMPLETE"
+MODEL_FILE = "model.pt"
+MANIFEST_FILE = "gem.yaml"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+#: Set by the operator to the checkpoint volume's mount path; wins over spec.checkpoint.path, so the
+#: pod spec (what is actually mounted) is the one source of truth inside a pod.
+ENV_CHECKPOINT_DIR = "GEM_CHECKPOINT_DIR"
+
+
+def checkpoint_root(spec_path: str) -> str:
+    return os.environ.get(ENV_CHECKPOINT_DIR) or spec_path
+
+
+def job_dir(root: str | os.PathLike, namespace: str, name: str) -> Path:
+    return Path(root) / namespace / name
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(job: Path) -> list[Path]:
+    """Complete checkpoints of a job, oldest first."""
+    if not job.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in job.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_complete(job: Path) -> Path | None:
+    ckpts = complete_checkpoints(job)
+    return ckpts[-1] if ckpts else None
+
+
+# --------------------------------------------------------------------------- model weights
+
+
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The whole model in fp32 on CPU. Collective: every rank must call it (ZeRO-3 gathers shards).
+
+    With ZeRO or bf16 the fp32 master weights live in the optimizer; safe_get_full_fp32_param
+    assembles them. Plain fp32 without ZeRO has no master copy: the module's parameters are it.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        out[name] = (param.detach() if full is None else full).float().cpu().clone()
+    for name, buf in engine.module.named_buffers():
+        out[name] = buf.detach().cpu().clone()
+    return out
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str, Any], state: dict[str, Any],
+         keep_last: int) -> Path:
+    """Save a checkpoint of `step` atomically; returns its final directory. Collective."""
+    final = job / step_dir_name(step)
+    tmp = job / f".tmp-{step_dir_name(step)}"
+    if env.is_main:
+        job.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        tmp.mkdir()
+    barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # a node that does not share the filesystem
+    # DeepSpeed's files: module, optimizer/ZeRO partitions and the LR scheduler. save_latest=False:
+    # the COMPLETE marker, not DeepSpeed's `latest` file, says which checkpoints exist.
+    engine.save_checkpoint(str(job), tag=tmp.name, save_latest=False)
+    weights = full_state_dict(engine)
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank-{env.rank:05d}.pt")
+    if env.is_main:
+        torch.save(weights, tmp / MODEL_FILE)
+        _fsync_write(tmp / MANIFEST_FILE, yaml.safe_dump(manifest, sort_keys=False))
+        _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2))
+    barrier()  # every rank's files are in tmp
+    if env.is_main:
+        shutil.rmtree(final, ignore_errors=True)  # renamed but not yet marked before a crash
+        os.rename(tmp, final)
+        _fsync_write(final / COMPLETE, json.dumps({"step": step}) + "\n")
+        prune(job, keep_last)
+    barrier()
+    if env.local_rank == 0 and not env.is_main and tmp.exists():
+        # This node does not see rank 0's filesystem: its shards can never form a checkpoint.
+        log.warning("checkpoint.path %s is not shared with rank 0: use a shared volume (checkpoint.claimName) "
+                    "to resume multi-node jobs", job)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def prune(job: Path, keep_last: int) -> None:
+    for old in complete_checkpoints(job)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def find_resume_point(env: DistEnv, job: Path) -> Path | None:
+    """The latest complete checkpoint, if every rank can read it (rank 0 decides). Collective."""
+    mine = latest_complete(job) if env.is_main else None
+    chosen = broadcast_object(str(mine) if mine else None)
+    if chosen is None:
+        return None
+    visible = all_gather_objects((Path(chosen) / COMPLETE).is_file())
+    if not all(visible):
+        log.warning("checkpoint %s is not visible on every node: starting from scratch "
+                    "(use a shared volume, checkpoint.claimName, for multi-node resume)", chosen)
+        return None
+    return Path(chosen)
+
+
+def load(engine: Any, env: DistEnv, ckpt: Path) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state. Collective."""
+    engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                           load_lr_scheduler_states=True)
+    rng_file = ckpt / "rng" / f"rank-{env.rank:05d}.pt"
+    if rng_file.is_file():  # absent when the world grew: the new ranks keep their fresh seeds
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def read_manifest(ckpt: str | os.PathLike) -> dict[str, Any]:
+    return yaml.safe_load((Path(ckpt) / MANIFEST_FILE).read_text())
+
+
+def load_model(ckpt: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+    """Rebuild the model a checkpoint holds from its gem.yaml + model.pt alone: (model in eval mode, manifest)."""
+    from gem.api import parse_object
+
+    ckpt = Path(ckpt)
+    if not (ckpt / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"{ckpt} is not a GEM checkpoint: it has no {MODEL_FILE}")
+    manifest = parse_object(read_manifest(ckpt))
+    if manifest.kind == "GEMTraining":
+        from gem.model import build_model
+
+        model = build_model(manifest.spec.model)
+    else:
+        from gem.distill.student import build_student
+
+        model = build_student(manifest.spec.student)
+    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True))
+    return model.eval(), manifest

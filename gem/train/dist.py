@@ -1,0 +1,144 @@
+"""Process-group setup and the DeepSpeed config derived from the spec.
+
+Inside a pod, `torchrun` (fed PET_NNODES / PET_NPROC_PER_NODE / PET_NODE_RANK / PET_MASTER_ADDR /
+PET_MASTER_PORT by the Kubeflow training operator) sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT for each process. Without torchrun, `gem train` is one process:
+world size 1 on a free local port. Backend: nccl on GPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+# DeepSpeed picks its accelerator when first imported: tell it before anyone imports it.
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the training extra is not installed
+    raise SystemExit("gem train needs the training stack: pip install 'gem-platform[train]'") from e
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch.distributed as torch_dist  # noqa: E402
+
+from gem.api.types import ParallelismSpec, TrainingSpec  # noqa: E402
+
+log = logging.getLogger("gem.train")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistEnv:
+    """Join the process group torchrun describes, or make a world of one."""
+    if "RANK" not in os.environ:  # plain `gem train`: a single process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # Processes on one node share its cores; oversubscription makes CPU training crawl.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world_size))
+    import deepspeed
+
+    if not torch_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, timeout=dt.timedelta(minutes=30),
+                                   dist_init_required=True, verbose=False)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device)
+
+
+def barrier() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """rank src's obj on every rank."""
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order."""
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def shutdown() -> None:
+    """Leave the process group, and forget DeepSpeed's cached groups so a later run in the same
+    process (tests, notebooks) starts clean instead of reusing handles of a destroyed group."""
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and "GROUP" in name and name.isupper():
+            if isinstance(value, dict):
+                value.clear()
+            elif not isinstance(value, str):
+                setattr(groups, name, None)
+    ds_comm.cdb = None
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config the spec implies, with training.deepspeed merged over it."""
+    precision = str(training.precision)
+    if precision == "mxfp8":
+        # MXFP8 needs Blackwell-class kernels this trainer does not ship yet; bf16 is its fallback.
+        log.warning("training.precision mxfp8 is not supported by this trainer yet: training in bf16")
+        precision = "bf16"
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": training.batch_size * world_size,
+        "gradient_clipping": training.grad_clip,
+        "zero_optimization": {"stage": parallelism.zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 10**9,  # the trainer logs; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+    }
+    if training.deepspeed:
+        config = _merge(config, training.deepspeed)
+    return config

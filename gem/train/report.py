@@ -1,0 +1,60 @@
+"""The trainer's final report: a compact JSON a Kubernetes termination message can carry.
+
+When GEM_TERMINATION_MESSAGE_PATH is set (the operator points it at /dev/termination-log),
+global rank 0 writes
+
+    {"metrics": {...}, "ne": 0.83, "step": 200, "totalSteps": 200,
+     "checkpoint": "/var/lib/gem/checkpoints/ns/job/step-00000200",
+     "mlflowRunId": "...", "mlflowExperimentId": "...", "mlflowRunUrl": "http://.../#/experiments/1/runs/..."}
+
+and on failure {"error": "ExceptionType: message"}. Kubernetes keeps at most 4096 bytes, so the
+report is shrunk to fit rather than cut mid-JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+ENV_PATH = "GEM_TERMINATION_MESSAGE_PATH"
+MAX_BYTES = 4096
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"), sort_keys=False, allow_nan=False)
+
+
+def fit(payload: dict[str, Any]) -> str:
+    """payload as compact JSON of at most MAX_BYTES: drops secondary metrics first, then truncates error."""
+    text = _dumps(payload)
+    if len(text.encode()) <= MAX_BYTES:
+        return text
+    payload = dict(payload)
+    if "metrics" in payload:
+        # Keep the headline keys the operator shows; drop the rest.
+        core = {k: v for k, v in payload["metrics"].items() if k.split("/")[0] in ("ne", "auc", "bayes_ne", "loss")}
+        payload["metrics"] = core
+        text = _dumps(payload)
+        if len(text.encode()) <= MAX_BYTES:
+            return text
+        payload["metrics"] = {}
+    if "error" in payload:
+        overhead = len(_dumps({**payload, "error": ""}).encode())
+        payload["error"] = payload["error"].encode()[: MAX_BYTES - overhead - 16].decode(errors="ignore") + "…"
+    text = _dumps(payload)
+    return text if len(text.encode()) <= MAX_BYTES else text.encode()[:MAX_BYTES].decode(errors="ignore")
+
+
+def write(payload: dict[str, Any]) -> None:
+    """Write the report where GEM_TERMINATION_MESSAGE_PATH says (no-op when unset)."""
+    path = os.environ.get(ENV_PATH)
+    if not path:
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(fit(payload))
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    message = str(exc).strip()
+    return {"error": f"{type(exc).__name__}: {message}" if message else type(exc).__name__}

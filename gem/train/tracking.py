@@ -1,0 +1,139 @@
+"""MLflow logging, on global rank 0 only.
+
+- Tracking URI: spec.mlflow.trackingUri, else $MLFLOW_TRACKING_URI (credentials, e.g.
+  MLFLOW_TRACKING_TOKEN / MLFLOW_TRACKING_USERNAME, come only from the environment).
+- One run per job: tagged gem.dev/{name,namespace,uid,kind}; a restarted job finds its run by the
+  uid tag and continues it instead of starting a new one.
+- Params: the resolved spec, flattened (`training.learningRate`, ...), logged once.
+- Metrics: per-step loss and lr (buffered, written in batches), eval metrics.
+- Artifacts: the resolved manifest (gem.yaml) and the final checkpoint's model.pt + gem.yaml
+  under checkpoint/.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("gem.train")
+
+FLUSH_EVERY = 20  # buffered step metrics are written in one log_batch call this often
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = str(value)[:6000]  # MLflow's param value limit
+    return out
+
+
+def job_uid(manifest: Any) -> str:
+    """The object's uid; local runs (no uid) get a stable stand-in from namespace and name."""
+    meta = manifest.metadata
+    return meta.uid or f"local-{meta.namespace or 'local'}-{meta.name}"
+
+
+class Tracker:
+    """No-op unless enabled; call every method on all ranks, it only acts on rank 0."""
+
+    def __init__(self, manifest: Any, *, active: bool):
+        self.manifest = manifest
+        self.active = active and manifest.spec.mlflow.enabled
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self.tracking_uri: str | None = None
+        self._buffer: list[Any] = []
+        self._client: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if not self.active:
+            return
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        spec = self.manifest.spec.mlflow
+        self.tracking_uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        self._client = MlflowClient(self.tracking_uri)
+        experiment = self._client.get_experiment_by_name(spec.experiment)
+        self.experiment_id = (experiment.experiment_id if experiment
+                              else self._client.create_experiment(spec.experiment))
+        uid = job_uid(self.manifest)
+        runs = self._client.search_runs([self.experiment_id], filter_string=f"tags.`gem.dev/uid` = '{uid}'",
+                                        order_by=["attributes.start_time DESC"], max_results=1)
+        if runs:
+            self.run_id = runs[0].info.run_id
+            self._client.update_run(self.run_id, status="RUNNING")
+            log.info("mlflow: continuing run %s (experiment %s)", self.run_id, self.experiment_id)
+            return
+        meta = self.manifest.metadata
+        tags = {"gem.dev/name": meta.name, "gem.dev/namespace": meta.namespace or "local", "gem.dev/uid": uid,
+                "gem.dev/kind": self.manifest.kind}
+        run = self._client.create_run(self.experiment_id, run_name=meta.name, tags=tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = flatten(self.manifest.spec.to_wire())
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow accepts 100 params per batch
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "gem.yaml"
+            path.write_text(yaml.safe_dump(self.manifest.to_wire(), sort_keys=False))
+            self._client.log_artifact(self.run_id, str(path))
+        log.info("mlflow: started run %s (experiment %s) at %s", self.run_id, self.experiment_id, self.tracking_uri)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.active and self.run_id:
+            self.flush()
+            self._client.set_terminated(self.run_id, status=status)
+
+    # ------------------------------------------------------------------ logging
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        if len(self._buffer) >= FLUSH_EVERY * len(metrics):
+            self.flush()
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.log_step(step, {k: v for k, v in metrics.items() if v == v})  # NaN is not loggable
+        self.flush()
+
+    def flush(self) -> None:
+        if self.active and self._buffer:
+            for i in range(0, len(self._buffer), 1000):  # MLflow accepts 1000 metrics per batch
+                self._client.log_batch(self.run_id, metrics=self._buffer[i : i + 1000])
+            self._buffer = []
+
+    def log_checkpoint(self, ckpt: Path) -> None:
+        """The final checkpoint's consumer-facing files (model.pt, gem.yaml) under checkpoint/."""
+        if not self.active:
+            return
+        for name in ("model.pt", "gem.yaml"):
+            self._client.log_artifact(self.run_id, str(ckpt / name), artifact_path="checkpoint")
+
+    # ------------------------------------------------------------------ report fields
+
+    @property
+    def run_url(self) -> str | None:
+        uri = self.tracking_uri or ""
+        if self.run_id and uri.startswith(("http://", "https://")):
+            return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return None

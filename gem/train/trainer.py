@@ -1,0 +1,222 @@
+"""The training loop shared by `gem train` and `gem distill`.
+
+    env = init_distributed()                     # torchrun's world, or a world of one
+    engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec)
+    resume from the latest complete checkpoint   # model, optimizer, scheduler, data position, RNG
+    for step in start+1 .. training.steps:
+        loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
+        every evalEvery steps: evaluate;  every checkpoint.everySteps and at the end: save
+    evaluate; log to MLflow; return the final report (rank 0 writes it, see gem/train/report.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gem.data import Batch, ShardedLoader
+from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
+from gem.train import checkpoint
+from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config
+from gem.train.optim import build_optimizer
+from gem.train.task import Task, load_splits
+from gem.train.tracking import Tracker
+
+log = logging.getLogger("gem.train")
+
+LOG_EVERY = 10  # steps between structured log lines
+#: Fault injection for resume tests and chaos drills: fail right after finishing this step.
+FAULT_ENV = "GEM_FAULT_AT_STEP"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, task: Task, env: DistEnv):
+        self.task = task
+        self.env = env
+        self.manifest = task.manifest
+        self.spec = task.manifest.spec
+        meta = self.manifest.metadata
+        self.job_dir = checkpoint.job_dir(
+            checkpoint.checkpoint_root(self.spec.checkpoint.path), meta.namespace or "local", meta.name
+        )
+        self.total_steps = self.spec.training.steps
+        self.step = 0
+        self.tracker = Tracker(self.manifest, active=env.is_main)
+        self.bf16 = str(self.spec.training.precision) in ("bf16", "mxfp8")
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+        training = self.spec.training
+        # Same seed on every rank: identical initial weights (ZeRO-3 partitions each rank's copy).
+        seed_everything(training.seed)
+        self.train_examples, self.eval_examples = load_splits(self.spec.data)
+        model = self.task.build_model()
+        optimizer, scheduler = build_optimizer(model, training)
+        ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.loader = ShardedLoader(self.train_examples, batch_size=training.batch_size,
+                                    max_seq_len=self.task.max_seq_len, rank=self.env.rank,
+                                    world_size=self.env.world_size, seed=training.seed)
+        if self.env.is_main:
+            n_params = sum(p.numel() for p in model.parameters())
+            log.info("job=%s world_size=%d zero_stage=%d precision=%s params=%d train_examples=%d eval_examples=%d",
+                     self.job_dir, self.env.world_size, self.spec.parallelism.zero_stage,
+                     training.precision, n_params, len(self.train_examples), len(self.eval_examples))
+
+    def _resume(self) -> None:
+        ckpt = checkpoint.find_resume_point(self.env, self.job_dir)
+        if ckpt is None:
+            return
+        state = checkpoint.load(self.engine, self.env, ckpt)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        if self.env.is_main:
+            log.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # DeepSpeed's bf16 mode stores the module in bf16 (fp32 masters in the optimizer);
+        # autocast makes the fp32 inputs (dense features) and bf16 weights meet in bf16.
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    # ------------------------------------------------------------------ steps
+
+    def _train_step(self, batch: Batch) -> dict[str, float]:
+        with self._autocast():
+            loss, parts = self.task.loss(self.engine, batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        return {"loss": loss.item(), **{f"loss/{k}": v.item() for k, v in parts.items()}}
+
+    def evaluate(self) -> dict[str, float]:
+        """NE/AUC per task over the whole eval split (all ranks' shards). Collective."""
+        self.engine.eval()
+
+        def predict(batch: Batch) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                return self.engine(batch)
+
+        mine = collect_predictions(predict, self.eval_examples, max_seq_len=self.task.max_seq_len,
+                                   rank=self.env.rank, world_size=self.env.world_size, device=self.env.device)
+        self.engine.train()
+        return metrics_from_predictions(all_gather_objects(mine))
+
+    def _save(self) -> Path:
+        state = {"step": self.step, "totalSteps": self.total_steps, "loader": self.loader.state_dict(),
+                 "mlflowRunId": self.tracker.run_id}
+        path = checkpoint.save(self.engine, self.env, self.job_dir, step=self.step,
+                               manifest=self.manifest.to_wire(), state=state,
+                               keep_last=self.spec.checkpoint.keep_last)
+        if self.env.is_main:
+            log.info("checkpoint step=%d path=%s", self.step, path)
+        return path
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        """Train to training.steps and return the final report (identical on every rank)."""
+        self._setup()
+        self.tracker.start()
+        try:
+            return self._run()
+        except BaseException:
+            self.tracker.end("FAILED")
+            raise
+
+    def _run(self) -> dict[str, Any]:
+        self._resume()
+        last_ckpt = checkpoint.latest_complete(self.job_dir) if self.step else None
+        training, every = self.spec.training, self.spec.checkpoint.every_steps
+        progress = self._progress_bar()
+        t0, seen = time.perf_counter(), 0
+        while self.step < self.total_steps:
+            batch = self.loader.next_batch().to(self.env.device)
+            logs = self._train_step(batch)
+            self.step += 1
+            seen += batch.size
+            lr = self.scheduler.get_last_lr()[0]
+            self.tracker.log_step(self.step, {"train/loss": logs["loss"], "train/lr": lr})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
+            if self.env.is_main and (self.step % LOG_EVERY == 0 or self.step == self.total_steps):
+                rate = seen * self.env.world_size / (time.perf_counter() - t0)
+                self._log_line("step", step=self.step, total_steps=self.total_steps, lr=f"{lr:.3g}",
+                               examples_per_s=f"{rate:.0f}", **{k: f"{v:.4f}" for k, v in logs.items()})
+            if training.eval_every and self.step % training.eval_every == 0 and self.step < self.total_steps:
+                self._log_eval(self.evaluate())
+            if self.step % every == 0 or self.step == self.total_steps:
+                last_ckpt = self._save()
+            if os.environ.get(FAULT_ENV) == str(self.step):
+                raise RuntimeError(f"fault injected after step {self.step} ({FAULT_ENV})")
+        if progress is not None:
+            progress.close()
+        metrics = self.evaluate()
+        metrics.update(self.task.reference_metrics(self._evaluate_fixed_model))
+        self._log_eval(metrics)
+        if last_ckpt is None:  # resumed at (or past) the last step: nothing new to save
+            last_ckpt = self._save()
+        self.tracker.log_checkpoint(last_ckpt)
+        self.tracker.end()
+        return self._report(metrics, last_ckpt)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _evaluate_fixed_model(self, model: torch.nn.Module, max_seq_len: int, prefix: str) -> dict[str, float]:
+        """Metrics of a plain (replicated, non-DeepSpeed) model, e.g. a distillation teacher."""
+        model.eval()
+        with torch.no_grad():
+            mine = collect_predictions(model, self.eval_examples, max_seq_len=max_seq_len, rank=self.env.rank,
+                                       world_size=self.env.world_size, device=self.env.device)
+        return metrics_from_predictions(all_gather_objects(mine), prefix=prefix)
+
+    def _progress_bar(self) -> Any:
+        if not self.env.is_main:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc=self.manifest.metadata.name, unit="step",
+                    dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 15.0, leave=False)
+
+    def _log_line(self, event: str, **fields: Any) -> None:
+        """One structured line: `event key=value ...` (grep- and parser-friendly)."""
+        log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _log_eval(self, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(self.step, metrics)
+        if self.env.is_main:
+            keys = [k for k in metrics if k.split("/")[0] in ("ne", "auc", "bayes_ne", "teacher_ne", "loss")]
+            self._log_line("eval", step=self.step, **{k: f"{metrics[k]:.4f}" for k in keys})
+
+    def _report(self, metrics: dict[str, float], ckpt: Path) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "metrics": finite_or_none(metrics),
+            "ne": finite_or_none({"ne": metrics["ne"]})["ne"],
+            "step": self.step,
+            "totalSteps": self.total_steps,
+            "checkpoint": str(ckpt),
+            "mlflowRunId": self.tracker.run_id,
+            "mlflowExperimentId": self.tracker.experiment_id,
+            "mlflowRunUrl": self.tracker.run_url,
+        }
+        return report

@@ -1,0 +1,90 @@
+"""`gem distill`: a student learns from a trained GEM teacher found by GEMTraining name or MLflow URI."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from gem import cli
+from gem.distill.student import StudentModel
+from gem.train import checkpoint
+
+DATA = {"synthetic": {"numUsers": 500, "numAds": 200, "numTrainExamples": 8000, "numEvalExamples": 1500,
+                      "meanHistoryLen": 24}}
+
+
+def write(tmp_path, obj):
+    path = tmp_path / f"{obj['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path):
+    saved = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
+        os.environ.pop(var, None)
+    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def distill_manifest(tmp_path, name, teacher, mlflow=None):
+    return write(tmp_path, {
+        "apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": name},
+        "spec": {
+            "teacher": teacher,
+            "student": {"embeddingDim": 16, "hiddenDim": 32, "maxSeqLen": 8},
+            "distillation": {"alpha": 0.5, "temperature": 2.0},
+            "data": DATA,
+            "training": {"steps": 80, "batchSize": 64, "warmupSteps": 5, "learningRate": 0.003},
+            "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 40},
+            "mlflow": mlflow or {"enabled": False},
+        },
+    })
+
+
+def test_distill_from_a_gemtraining_and_from_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    teacher = write(tmp_path, {
+        "apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "teacher"},
+        "spec": {"model": {"preset": "tiny"}, "data": DATA,
+                 "training": {"steps": 100, "batchSize": 64, "warmupSteps": 5, "learningRate": 0.003},
+                 "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 100},
+                 "mlflow": {"enabled": True, "trackingUri": uri, "experiment": "teachers"}},
+    })
+    assert cli.main(["train", "--config", str(teacher)]) == 0
+    teacher_report = json.loads((tmp_path / "termination-log").read_text())
+
+    # 1. By GEMTraining name: the latest complete checkpoint under the shared checkpoint root.
+    path = distill_manifest(tmp_path, "student", {"gemTraining": "teacher"})
+    assert cli.main(["distill", "--config", str(path)]) == 0
+    report = json.loads((tmp_path / "termination-log").read_text())
+    m = report["metrics"]
+    assert report["step"] == 80
+    assert m["teacher_ne/click"] == pytest.approx(teacher_report["metrics"]["ne/click"], abs=1e-5)
+    assert {"teacher_auc/click", "teacher_ne/conversion", "bayes_ne/click", "ne/conversion"} <= m.keys()
+    assert m["ne/click"] < 1.0 and m["auc/click"] > 0.55, m
+    # The student checkpoint rebuilds from its directory alone.
+    model, manifest = checkpoint.load_model(report["checkpoint"])
+    assert isinstance(model, StudentModel) and manifest.kind == "LoopFMDistill"
+
+    # 2. By MLflow URI: the teacher run's checkpoint/ artifacts, downloaded and loaded the same way.
+    model_uri = f"runs:/{teacher_report['mlflowRunId']}/checkpoint"
+    path = distill_manifest(tmp_path, "student-mlflow", {"mlflowModelUri": model_uri},
+                            mlflow={"enabled": True, "trackingUri": uri, "experiment": "students"})
+    assert cli.main(["distill", "--config", str(path)]) == 0
+    report2 = json.loads((tmp_path / "termination-log").read_text())
+    assert report2["metrics"]["teacher_ne/click"] == pytest.approx(m["teacher_ne/click"], abs=1e-6)
+    assert report2["mlflowRunId"] and report2["mlflowRunId"] != teacher_report["mlflowRunId"]
+
+
+def test_distill_without_a_teacher_checkpoint_fails_clearly(tmp_path):
+    path = distill_manifest(tmp_path, "orphan", {"gemTraining": "never-trained"})
+    assert cli.main(["distill", "--config", str(path)]) == 1
+    error = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert error.startswith("FileNotFoundError: teacher.gemTraining 'never-trained'")

@@ -1,0 +1,202 @@
+"""`gem train` / `gem eval` as one process: learning, checkpoints, resume, the report, MLflow, bad configs.
+
+The runs call gem.cli.main in-process (no torch/DeepSpeed import per run); test_gem_distributed.py
+covers torchrun.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from gem import cli
+from gem.train import checkpoint
+
+
+def manifest(tmp_path, name, *, steps=40, every=20, mlflow=None, **spec_overrides):
+    spec = {
+        "model": {"preset": "tiny"},
+        "data": {"synthetic": {"numUsers": 500, "numAds": 200, "numTrainExamples": 6000, "numEvalExamples": 1500,
+                               "meanHistoryLen": 24}},
+        "training": {"steps": steps, "batchSize": 32, "warmupSteps": 5, "learningRate": 0.003},
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": every, "keepLast": 2},
+        "mlflow": mlflow or {"enabled": False},
+    }
+    for key, value in spec_overrides.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": name}, "spec": spec}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path, monkeypatch):
+    """init_distributed writes RANK/WORLD_SIZE/MASTER_PORT into os.environ: undo it after each test."""
+    saved = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
+        os.environ.pop(var, None)
+    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def termination(tmp_path):
+    return json.loads((tmp_path / "termination-log").read_text())
+
+
+def test_train_learns_and_reports(tmp_path, capsys):
+    path = manifest(tmp_path, "learn", steps=200, every=80,
+                    data={"synthetic": {"numUsers": 1000, "numAds": 300, "numTrainExamples": 20000,
+                                        "numEvalExamples": 3000, "meanHistoryLen": 24}},
+                    training={"batchSize": 64, "evalEvery": 100})
+    assert cli.main(["train", "--config", str(path)]) == 0
+    report = termination(tmp_path)
+    m = report["metrics"]
+    assert report["step"] == report["totalSteps"] == 200
+    assert m["ne/click"] < 0.95 and m["auc/click"] > 0.7, m
+    # Post-click CVR sees ~1/6 of the examples: after 200 steps it has only begun to learn.
+    assert m["ne/conversion"] < 1.03 and report["ne"] < 0.97, m
+    assert m["bayes_ne/click"] < m["ne/click"]  # nobody beats the true probabilities
+    assert report["ne"] == pytest.approx((m["ne/click"] + m["ne/conversion"]) / 2)
+    assert report["mlflowRunId"] is None and len((tmp_path / "termination-log").read_bytes()) <= 4096
+    # Checkpoint layout: keepLast=2 complete checkpoints, each self-describing.
+    job = tmp_path / "ckpt" / "local" / "learn"
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000160", "step-00000200"]
+    final = job / "step-00000200"
+    assert report["checkpoint"] == str(final)
+    for name in ("COMPLETE", "gem.yaml", "model.pt", "trainer_state.json", "rng/rank-00000.pt"):
+        assert (final / name).is_file(), name
+    assert yaml.safe_load((final / "gem.yaml").read_text())["metadata"]["name"] == "learn"
+    assert json.loads((final / "trainer_state.json").read_text())["loader"] == {"position": 200}
+    # stdout carries the same report; `gem eval` reproduces the metrics from the directory alone.
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ne"] == report["ne"]
+    assert cli.main(["eval", "--config", str(path)]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["checkpoint"] == str(final)
+    assert evaluated["metrics"]["ne/click"] == pytest.approx(m["ne/click"], abs=1e-5)
+
+
+def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tmp_path, caplog):
+    straight = manifest(tmp_path, "straight", steps=40, every=20)
+    assert cli.main(["train", "--config", str(straight)]) == 0
+
+    resumed = manifest(tmp_path, "resumed", steps=40, every=20)
+    os.environ["GEM_FAULT_AT_STEP"] = "30"  # dies after step 30; the last checkpoint is step 20
+    assert cli.main(["train", "--config", str(resumed)]) == 1
+    assert termination(tmp_path) == {"error": "RuntimeError: fault injected after step 30 (GEM_FAULT_AT_STEP)"}
+    del os.environ["GEM_FAULT_AT_STEP"]
+    with caplog.at_level("INFO", logger="gem.train"):
+        assert cli.main(["train", "--config", str(resumed)]) == 0
+    assert "resumed from" in caplog.text and "at step 20" in caplog.text
+    assert termination(tmp_path)["step"] == 40
+
+    a = torch.load(tmp_path / "ckpt/local/straight/step-00000040/model.pt")
+    b = torch.load(tmp_path / "ckpt/local/resumed/step-00000040/model.pt")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_an_interrupted_save_is_never_taken_as_complete(tmp_path, monkeypatch, caplog):
+    path = manifest(tmp_path, "crashy", steps=60, every=20)
+    real = checkpoint.full_state_dict
+    calls = []
+
+    def crash_on_second_save(engine):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        return real(engine)
+
+    monkeypatch.setattr(checkpoint, "full_state_dict", crash_on_second_save)
+    assert cli.main(["train", "--config", str(path)]) == 1
+    assert termination(tmp_path)["error"] == "OSError: disk full (simulated)"
+    job = tmp_path / "ckpt/local/crashy"
+    assert (job / ".tmp-step-00000040").is_dir()  # the half-written save is left behind...
+    assert checkpoint.latest_complete(job) == job / "step-00000020"  # ...but ignored
+    # A directory renamed but not yet marked COMPLETE is ignored too.
+    shutil.copytree(job / "step-00000020", job / "step-00000050")
+    (job / "step-00000050" / "COMPLETE").unlink()
+    assert checkpoint.latest_complete(job) == job / "step-00000020"
+
+    monkeypatch.setattr(checkpoint, "full_state_dict", real)
+    with caplog.at_level("INFO", logger="gem.train"):
+        assert cli.main(["train", "--config", str(path)]) == 0
+    assert "at step 20" in caplog.text
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000040", "step-00000060"]
+    assert not any(p.name.startswith(".tmp") for p in job.iterdir())
+
+
+def test_mlflow_logging_and_a_restart_reuses_the_run(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    path = manifest(tmp_path, "tracked", steps=30, every=10, mlflow={"enabled": True, "experiment": "gem-test"})
+    os.environ["GEM_FAULT_AT_STEP"] = "20"
+    assert cli.main(["train", "--config", str(path)]) == 1
+    del os.environ["GEM_FAULT_AT_STEP"]
+    assert cli.main(["train", "--config", str(path)]) == 0
+    report = termination(tmp_path)
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("gem-test")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1  # the restart continued the same run
+    run = runs[0]
+    assert report["mlflowRunId"] == run.info.run_id and report["mlflowExperimentId"] == exp.experiment_id
+    assert report["mlflowRunUrl"] is None  # only http(s) tracking servers have a UI link
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["gem.dev/name"] == "tracked" and run.data.tags["gem.dev/namespace"] == "local"
+    assert run.data.tags["gem.dev/kind"] == "GEMTraining" and run.data.tags["gem.dev/uid"]
+    assert run.data.params["training.steps"] == "30" and run.data.params["model.preset"] == "tiny"
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted({m.step for m in losses}) == list(range(1, 31))
+    assert run.data.metrics["ne/click"] == pytest.approx(report["metrics"]["ne/click"])
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"gem.yaml", "checkpoint"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")} == {
+        "checkpoint/gem.yaml", "checkpoint/model.pt"}
+    mlflow.set_tracking_uri(None)
+
+
+def test_run_url_for_http_tracking():
+    from gem.api import parse_object
+    from gem.train.tracking import Tracker
+
+    obj = parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"},
+                        "spec": {}})
+    t = Tracker(obj, active=True)
+    t.tracking_uri, t.experiment_id, t.run_id = "http://mlflow.gem-system:5000/", "7", "abc"
+    assert t.run_url == "http://mlflow.gem-system:5000/#/experiments/7/runs/abc"
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda o: o["spec"]["training"].update(steps=0), "spec.training.steps"),
+    (lambda o: o["spec"]["model"].update(preset="huge"), "spec.model.preset"),
+    (lambda o: o["spec"]["training"].update(batchSise=8), "spec.training.batchSise"),
+])
+def test_bad_config_names_the_field(tmp_path, capsys, change, field):
+    path = manifest(tmp_path, "bad")
+    obj = yaml.safe_load(path.read_text())
+    change(obj)
+    path.write_text(yaml.safe_dump(obj))
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert field in err
+    assert field in termination(tmp_path)["error"]
+
+
+def test_wrong_kind_and_missing_file(tmp_path, capsys):
+    path = manifest(tmp_path, "kind")
+    assert cli.main(["distill", "--config", str(path)]) == 2
+    assert "kind must be LoopFMDistill" in capsys.readouterr().err
+    assert cli.main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
