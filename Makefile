@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 ## demo: train the quickstart GEMTraining locally (no cluster) and print its metrics
+DEMO_ENV := GEM_HOME=$(CURDIR)/.gem
 demo: $(STAMP)
-	GEM_HOME=$(CURDIR)/.gem $(VENV)/bin/gemctl submit --local -f examples/quickstart.yaml --wait
+	@# a re-run replaces the previous demo job (its checkpoints are set aside, not deleted)
+	@$(DEMO_ENV) $(VENV)/bin/gemctl delete --local gemtraining quickstart >/dev/null 2>&1 || true
+	$(DEMO_ENV) $(VENV)/bin/gemctl submit --local -f examples/quickstart.yaml --wait
+	@echo "MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.gem/mlflow.db"
 
 ## test: the whole test suite
 test: $(STAMP)

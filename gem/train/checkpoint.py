@@ -27,6 +27,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +165,35 @@ def prune(job: Path, keep_last: int) -> None:
 # --------------------------------------------------------------------------- load
 
 
-def find_resume_point(env: DistEnv, job: Path) -> Path | None:
-    """The latest complete checkpoint, if every rank can read it (rank 0 decides). Collective."""
+def _owner_uid(ckpt: Path) -> str | None:
+    return (read_manifest(ckpt).get("metadata") or {}).get("uid")
+
+
+def set_aside_stale(job: Path, uid: str | None) -> Path | None:
+    """Move a job dir left by a *different* resource of the same name out of the way.
+
+    A GEMTraining deleted and created again under its name gets a new uid; it must start fresh,
+    not resume the old one's weights. The old checkpoints are renamed, never deleted.
+    """
+    latest = latest_complete(job)
+    if latest is None or uid is None:
+        return None
+    old = _owner_uid(latest)
+    if old is None or old == uid:
+        return None
+    stale = job.with_name(f"{job.name}.stale-{old[:8]}-{int(time.time())}")
+    job.rename(stale)
+    log.warning("checkpoints in %s belong to an earlier resource (uid %s): moved to %s; starting fresh", job, old, stale)
+    return stale
+
+
+def find_resume_point(env: DistEnv, job: Path, uid: str | None = None) -> Path | None:
+    """The latest complete checkpoint of this resource (uid), if every rank can read it. Collective.
+
+    Rank 0 decides; checkpoints of an earlier resource of the same name are set aside first.
+    """
+    if env.is_main:
+        set_aside_stale(job, uid)
     mine = latest_complete(job) if env.is_main else None
     chosen = broadcast_object(str(mine) if mine else None)
     if chosen is None:

@@ -28,7 +28,8 @@ from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_
 from gem.train import checkpoint
 from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config
 from gem.train.optim import build_optimizer
-from gem.train.task import Task, load_splits
+from gem.train.precision import apply_precision
+from gem.train.task import Task, build_train_loader, load_splits
 from gem.train.tracking import Tracker
 
 log = logging.getLogger("gem.train")
@@ -70,12 +71,12 @@ class Trainer:
         # Same seed on every rank: identical initial weights (ZeRO-3 partitions each rank's copy).
         seed_everything(training.seed)
         self.train_examples, self.eval_examples = load_splits(self.spec.data)
-        model = self.task.build_model()
+        model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
         optimizer, scheduler = build_optimizer(model, training)
         ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        self.loader = ShardedLoader(self.train_examples, batch_size=training.batch_size,
+        self.loader = build_train_loader(self.train_examples, batch_size=training.batch_size,
                                     max_seq_len=self.task.max_seq_len, rank=self.env.rank,
                                     world_size=self.env.world_size, seed=training.seed)
         if self.env.is_main:
@@ -85,7 +86,7 @@ class Trainer:
                      training.precision, n_params, len(self.train_examples), len(self.eval_examples))
 
     def _resume(self) -> None:
-        ckpt = checkpoint.find_resume_point(self.env, self.job_dir)
+        ckpt = checkpoint.find_resume_point(self.env, self.job_dir, uid=self.manifest.metadata.uid)
         if ckpt is None:
             return
         state = checkpoint.load(self.engine, self.env, ckpt)
@@ -119,7 +120,8 @@ class Trainer:
         mine = collect_predictions(predict, self.eval_examples, max_seq_len=self.task.max_seq_len,
                                    rank=self.env.rank, world_size=self.env.world_size, device=self.env.device)
         self.engine.train()
-        return metrics_from_predictions(all_gather_objects(mine))
+        self._predictions = all_gather_objects(mine)  # rank order = eval split order (gem/eval/report.py)
+        return metrics_from_predictions(self._predictions)
 
     def _save(self) -> Path:
         state = {"step": self.step, "totalSteps": self.total_steps, "loader": self.loader.state_dict(),
@@ -177,10 +179,26 @@ class Trainer:
         if last_ckpt is None:  # resumed at (or past) the last step: nothing new to save
             last_ckpt = self._save()
         self.tracker.log_checkpoint(last_ckpt)
+        self._write_eval_report(metrics, last_ckpt)
+        self.tracker.register_model()
         self.tracker.end()
         return self._report(metrics, last_ckpt)
 
     # ------------------------------------------------------------------ helpers
+
+    def _write_eval_report(self, metrics: dict[str, float], ckpt: Path) -> None:
+        """Rank 0: <job>/reports/step-N/eval_report.{json,png}, logged to MLflow under eval/."""
+        if not self.env.is_main or getattr(self, "_predictions", None) is None:
+            return
+        try:
+            from gem.eval.report import write_eval_report
+
+            paths = write_eval_report(self._predictions, self.eval_examples, self.job_dir / "reports" / ckpt.name,
+                                      metrics=metrics,
+                                      step=self.step)
+            self.tracker.log_artifacts(paths, artifact_path="eval")
+        except Exception as e:  # the report is a by-product: never fail a finished run over it
+            log.warning("eval report not written: %s: %s", type(e).__name__, e)
 
     def _evaluate_fixed_model(self, model: torch.nn.Module, max_seq_len: int, prefix: str) -> dict[str, float]:
         """Metrics of a plain (replicated, non-DeepSpeed) model, e.g. a distillation teacher."""
