@@ -3,6 +3,7 @@
     gem train   --config FILE                 # FILE: a GEMTraining manifest
     gem distill --config FILE                 # FILE: a LoopFMDistill manifest
     gem eval    --config FILE [--checkpoint DIR]
+    gem serve-precompute --config FILE --checkpoint DIR [--port N]   # Solaris (docs/solaris.md)
     torchrun --nnodes N --nproc-per-node P -m gem train --config /etc/gem/config.yaml
 
 The operator writes the resolved manifest to /etc/gem/config.yaml and sets
@@ -124,6 +125,34 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
     return 0
 
 
+def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gem.loopfm.logging import model_version_of
+    from gem.solaris.service import build_service
+    from gem.train import checkpoint
+
+    try:
+        model, _ = checkpoint.load_model(args.checkpoint)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from e
+    service = build_service(model, manifest, ttl_s=args.ttl, version=model_version_of(args.checkpoint))
+
+    async def serve() -> None:
+        runner, port = await service.start(args.host, args.port)
+        log.info("solaris: serving on http://%s:%d (version %s)", args.host, port, service.store.version)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gem", description="Train, distil and evaluate GEM models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,8 +163,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", required=True, help="path of the manifest (YAML)")
         if name == "eval":
             p.add_argument("--checkpoint", help="checkpoint directory (default: the job's latest)")
+    p = sub.add_parser("serve-precompute", help="Solaris: speculative FM precompute + hierarchical lookup over HTTP")
+    p.add_argument("--config", required=True, help="manifest whose spec.data names the synthetic world")
+    p.add_argument("--checkpoint", required=True, help="the foundation model's checkpoint directory")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--ttl", type=float, default=6 * 3600.0, help="seconds a precomputed value stays fresh")
     args = parser.parse_args(argv)
     _setup_logging()
+    if args.command == "serve-precompute":
+        try:
+            return _serve_precompute(load_manifest(args.config), args)
+        except ConfigError as e:
+            print(f"gem {args.command}: {e}", file=sys.stderr)
+            return 2
     from gem.train import report as final_report
 
     try:

@@ -5,6 +5,9 @@
 per task (click on every impression, conversion on clicked ones), α = distillation.alpha,
 T = distillation.temperature. The teacher runs frozen on the same batches; its eval metrics
 are reported beside the student's as teacher_ne/click etc.
+
+distillation.method: loopfm is gem/loopfm/task.py: constructing DistillTask for a loopfm manifest
+returns a LoopFMTask, so `gem distill` (gem/cli.py) serves both methods unchanged.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ from gem.train.task import LossFn
 
 
 class DistillTask:
+    def __new__(cls, manifest: LoopFMDistill, *, device: torch.device):
+        # `gem distill` constructs DistillTask for every LoopFMDistill: method loopfm gets the LoopFM task.
+        if cls is DistillTask and manifest.spec.distillation.method == "loopfm":
+            from gem.loopfm.task import LoopFMTask
+
+            return LoopFMTask(manifest, device=device)
+        return super().__new__(cls)
+
     def __init__(self, manifest: LoopFMDistill, *, device: torch.device):
         spec = manifest.spec
         if spec.distillation.method != "kd":
-            raise NotImplementedError(
-                f"distillation.method {spec.distillation.method!r} is not implemented yet: use kd")
+            raise ValueError(f"DistillTask is plain KD, not distillation.method {spec.distillation.method!r}")
         self.manifest = manifest
         self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
         self.teacher.to(device)
@@ -52,3 +62,8 @@ class DistillTask:
 
     def reference_metrics(self, evaluate) -> dict[str, float]:
         return evaluate(self.teacher, self.teacher.max_seq_len, "teacher_")
+
+
+def build_task(manifest: LoopFMDistill, *, device: torch.device):
+    """The Task of a LoopFMDistill: plain KD or LoopFM (memory features + aux head + adapter)."""
+    return DistillTask(manifest, device=device)

@@ -1,0 +1,1 @@
+"""LoopFM: a deep historical memory of foundation-model embeddings and the vertical models that read it."""

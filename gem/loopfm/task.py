@@ -1,0 +1,102 @@
+"""`gem distill` with distillation.method: loopfm, as a trainer Task.
+
+Before training, rank 0 runs the teacher over the job's synthetic world (train and eval
+impressions, in request-time order) and logs its user representation into the job's embedding
+memory, <checkpoint root>/<namespace>/<name>/memory/ (skipped when the memory already holds this
+teacher version). The student reads the memory point-in-time in its forward pass, so training,
+evaluation and serving see the same features.
+
+Per task (click on all impressions, conversion on clicked ones), α = distillation.alpha,
+T = distillation.temperature:
+
+    BCE(serving, label)                                     serving head: labels only, full weight
+  + α·½·[BCE(aux/T, σ(teacher/T)) + BCE(aux, σ(adapter))]    aux head, gradient ×β into the backbone
+  + BCE(adapter(teacher), label)                            adapter: FM prediction -> label estimate
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gem.api.types import LoopFMDistill
+from gem.data import Batch
+from gem.distill.teacher import load_teacher
+from gem.loopfm.logging import UserRepresentation, log_stream, model_version_of
+from gem.loopfm.memory import EmbeddingMemory
+from gem.loopfm.student import LoopFMStudent
+from gem.model.loss import masked_bce, task_labels, task_masks
+from gem.train import checkpoint
+from gem.train.dist import barrier
+from gem.train.task import LossFn, load_splits
+
+log = logging.getLogger("gem.distill")
+
+
+def memory_dir_of(manifest: LoopFMDistill) -> Path:
+    meta = manifest.metadata
+    return checkpoint.job_dir(checkpoint.checkpoint_root(manifest.spec.checkpoint.path),
+                              meta.namespace or "local", meta.name) / "memory"
+
+
+def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill, *, is_main: bool = True
+                 ) -> tuple[EmbeddingMemory, str]:
+    """The job's memory with this teacher's embeddings logged (rank 0 writes, everyone waits)."""
+    memory = EmbeddingMemory(memory_dir_of(manifest))
+    version = model_version_of(teacher_dir)
+    if is_main and version not in memory.model_versions():
+        train, evaluation = load_splits(manifest.spec.data)
+        rows = log_stream(teacher, [train, evaluation], memory, version)
+        log.info("loopfm memory: logged %d embeddings of %s into %s", rows, version, memory.root)
+    barrier()
+    return memory, version
+
+
+class LoopFMTask:
+    def __init__(self, manifest: LoopFMDistill, *, device: torch.device, is_main: bool | None = None):
+        if is_main is None:
+            import torch.distributed as td
+
+            is_main = not td.is_initialized() or td.get_rank() == 0
+        spec = manifest.spec
+        self.manifest = manifest
+        self.device = device
+        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
+        self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
+        self.teacher.to(device)
+        self.memory_dim = UserRepresentation(self.teacher).dim
+        self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)
+        self.alpha = spec.distillation.alpha
+        self.temperature = spec.distillation.temperature
+
+    def build_model(self) -> nn.Module:
+        model = LoopFMStudent(self.manifest.spec.student, self.memory_dim)
+        return model.attach_memory(self.memory.index(self.model_version))
+
+    def loss(self, model: nn.Module, batch: Batch) -> LossFn:
+        with torch.no_grad():
+            teacher = self.teacher(batch)
+        out = model(batch, teacher)
+        return loopfm_loss(out, teacher, batch, alpha=self.alpha, temperature=self.temperature)
+
+    def reference_metrics(self, evaluate) -> dict[str, float]:
+        return evaluate(self.teacher, self.teacher.max_seq_len, "teacher_")
+
+
+def loopfm_loss(out: dict[str, torch.Tensor], teacher: dict[str, torch.Tensor], batch: Batch, *,
+                alpha: float, temperature: float) -> LossFn:
+    labels, masks = task_labels(batch), task_masks(batch)
+    T, a = temperature, alpha
+    parts: dict[str, torch.Tensor] = {}
+    for task in labels:
+        hard = masked_bce(out[task], labels[task], masks[task])
+        soft = masked_bce(out[f"aux/{task}"].float() / T, torch.sigmoid(teacher[task].detach().float() / T), masks[task])
+        adapted = masked_bce(out[f"aux/{task}"], torch.sigmoid(out[f"adapter/{task}"]).detach(), masks[task])
+        adapter = masked_bce(out[f"adapter/{task}"], labels[task], masks[task])
+        parts[task] = hard + a * 0.5 * (soft + adapted) + adapter
+        parts[f"adapter/{task}"] = adapter.detach()
+    total = sum(v for k, v in parts.items() if "/" not in k)
+    return total, {k: v for k, v in parts.items()}

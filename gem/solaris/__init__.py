@@ -1,0 +1,1 @@
+"""Solaris: speculative precompute of foundation-model scores, with a hierarchical fallback lookup."""

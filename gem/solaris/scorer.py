@@ -1,0 +1,64 @@
+"""Computing foundation-model values for (user, ad) pairs, and user segments.
+
+A pair is scored with the user's latest known state (the last impression we saw for them: its
+event history, surface and dense features) and the candidate ad swapped in, which is what a
+speculative precompute can know before the request arrives. The value is the FM's logits
+(click, conversion); the FM's user representation (gem.loopfm.logging.UserRepresentation) comes
+along and feeds the nearest-neighbour tier.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from gem.data.batch import make_batch
+from gem.data.synthetic import Examples
+from gem.loopfm.logging import UserRepresentation
+
+
+class FMScorer:
+    def __init__(self, model: nn.Module, *, ad_campaign: np.ndarray, campaign_advertiser: np.ndarray,
+                 batch_size: int = 512):
+        self.model = model.eval()
+        self.rep = UserRepresentation(self.model)
+        self.ad_campaign = ad_campaign
+        self.campaign_advertiser = campaign_advertiser
+        self.batch_size = batch_size
+        torch.set_grad_enabled(False)
+
+    def score(self, context: Examples, rows: np.ndarray, ads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values [N, 2] = FM logits (click, conversion), user embeddings [N, D]) for context rows x ads."""
+        rows, ads = np.asarray(rows, np.int64), np.asarray(ads, np.int64)
+        values, embs = [], []
+        for lo in range(0, len(rows), self.batch_size):
+            r, a = rows[lo : lo + self.batch_size], ads[lo : lo + self.batch_size]
+            batch = make_batch(context, r, max_seq_len=self.model.max_seq_len)
+            campaign = self.ad_campaign[a]
+            batch.ad_id = torch.from_numpy(a)
+            batch.campaign_id = torch.from_numpy(campaign)
+            batch.advertiser_id = torch.from_numpy(self.campaign_advertiser[campaign])
+            with torch.no_grad():
+                logits, emb = self.rep(batch)
+            values.append(torch.stack([logits["click"], logits["conversion"]], 1).float().numpy())
+            embs.append(emb.numpy())
+        if not values:
+            return np.zeros((0, 2), np.float32), np.zeros((0, self.rep.dim), np.float32)
+        return np.concatenate(values), np.concatenate(embs)
+
+
+def kmeans_segments(embeddings: np.ndarray, k: int, *, iters: int = 15, seed: int = 0) -> np.ndarray:
+    """Cluster ids [N] of embeddings [N, D] (plain Lloyd's k-means on normalised vectors)."""
+    x = embeddings / (np.linalg.norm(embeddings, axis=1, keepdims=True) + 1e-8)
+    rng = np.random.default_rng(seed)
+    k = min(k, len(x))
+    centers = x[rng.choice(len(x), k, replace=False)]
+    assign = np.zeros(len(x), np.int64)
+    for _ in range(iters):
+        assign = np.argmax(x @ centers.T, axis=1)
+        for c in range(k):
+            members = x[assign == c]
+            if len(members):
+                centers[c] = members.mean(0)
+    return assign

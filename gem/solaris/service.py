@@ -1,0 +1,204 @@
+"""The Solaris service: background precompute fed by the predictor, and an HTTP lookup API.
+
+    GET /lookup?user=U&ad=A   -> {"value": [click_logit, conversion_logit], "tier": "exact"|..., "tierIndex",
+                                  "version", "user", "ad"}
+    GET /healthz              -> {"status": "ok", "version", "pairs"}
+    GET /metrics              -> Prometheus text: lookups per tier, precomputed pairs, precompute rounds
+
+Every lookup is also a request observation: it feeds the predictor's recent candidates and the
+segment popularity, so what is asked for now is what gets precomputed next. The background task
+(`run_precompute`) wakes every `interval_s`, asks the predictor for the pairs of recently active
+users, skips those still fresh in the store, scores the rest with the FM in a worker thread (the
+event loop keeps answering lookups) and writes them to the store with the model version and TTL.
+
+Time: `clock()` returns the service's notion of now in seconds; the CLI maps wall time onto the
+synthetic world's timeline, the benchmark and tests drive a simulated clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from gem.data.synthetic import Examples
+from gem.solaris.fallback import TIERS, HierarchicalLookup
+from gem.solaris.predictor import RequestPredictor
+from gem.solaris.scorer import FMScorer
+from gem.solaris.store import PrecomputeStore
+
+log = logging.getLogger("gem.solaris")
+
+
+class SolarisService:
+    def __init__(self, *, scorer: FMScorer, context: Examples, store: PrecomputeStore,
+                 predictor: RequestPredictor, lookup: HierarchicalLookup, clock: Callable[[], float] = time.time,
+                 per_user: int = 8, active_window_s: float = 24 * 3600.0, interval_s: float = 1.0):
+        self.scorer = scorer
+        self.context = context
+        self.store = store
+        self.predictor = predictor
+        self.lookup_ = lookup
+        self.clock = clock
+        self.per_user = per_user
+        self.active_window_s = active_window_s
+        self.interval_s = interval_s
+        # The latest context row (impression) of each user: the state pairs are scored with.
+        order = np.argsort(context.request_time, kind="stable")
+        self.user_row: dict[int, int] = dict(zip(context.user_id[order].tolist(), order.tolist()))
+        self.tier_counts: Counter[str] = Counter()
+        self.rounds = 0
+        self.precomputed = 0
+
+    # ------------------------------------------------------------------ core
+
+    def observe(self, user: int, ad: int, now: float, row: int | None = None) -> None:
+        self.predictor.observe(user, ad, now)
+        if row is not None:
+            self.user_row[user] = row
+
+    def lookup(self, user: int, ad: int, now: float | None = None, *, observe: bool = True):
+        now = self.clock() if now is None else now
+        result = self.lookup_.lookup(user, ad, now=now)
+        self.tier_counts[result.tier] += 1
+        if observe:
+            self.observe(user, ad, now)
+        return result
+
+    def pending_pairs(self, now: float) -> list[tuple[int, int]]:
+        users = [u for u in self.predictor.active_users(now, self.active_window_s) if u in self.user_row]
+        return [(u, a) for u, a in self.predictor.predict(users, self.per_user)
+                if self.store.get(u, a, now=now) is None]
+
+    def compute(self, pairs: list[tuple[int, int]], now: float, version: str | None = None) -> int:
+        """Score pairs with the FM and store them (synchronous; run it in a thread from asyncio)."""
+        if not pairs:
+            return 0
+        users = np.array([u for u, _ in pairs], np.int64)
+        ads = np.array([a for _, a in pairs], np.int64)
+        rows = np.array([self.user_row[u] for u in users.tolist()], np.int64)
+        values, embs = self.scorer.score(self.context, rows, ads)
+        campaign = self.scorer.ad_campaign[ads]
+        segment_of = self.lookup_.segment_of
+        n = 0
+        for i in range(len(pairs)):
+            n += self.store.put(int(users[i]), int(ads[i]), int(campaign[i]), segment_of(int(users[i])), values[i],
+                                now=now, version=version, user_embedding=embs[i])
+        self.precomputed += n
+        return n
+
+    async def precompute_once(self, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        pairs = self.pending_pairs(now)
+        version = self.store.version
+        n = await asyncio.to_thread(self.compute, pairs, now, version)
+        self.rounds += 1
+        return n
+
+    async def run_precompute(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.precompute_once()
+            except Exception:  # noqa: BLE001 - a failed round must not kill the service
+                log.exception("precompute round failed")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ HTTP
+
+    def app(self):
+        from aiohttp import web
+
+        async def lookup(request: web.Request) -> web.Response:
+            try:
+                user, ad = int(request.query["user"]), int(request.query["ad"])
+            except (KeyError, ValueError):
+                return web.json_response({"error": "need integer query parameters user and ad"}, status=400)
+            if user < 0 or ad < 0 or ad >= len(self.scorer.ad_campaign):
+                return web.json_response({"error": f"unknown user {user} or ad {ad}"}, status=404)
+            result = self.lookup(user, ad)
+            return web.json_response({**result.to_json(), "user": user, "ad": ad})
+
+        async def healthz(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok", "version": self.store.version,
+                                      "pairs": self.store.stats()["pairs"]})
+
+        async def metrics(request: web.Request) -> web.Response:
+            lines = ["# TYPE solaris_lookups_total counter"]
+            lines += [f'solaris_lookups_total{{tier="{t}"}} {self.tier_counts.get(t, 0)}' for t in TIERS]
+            stats = self.store.stats()
+            lines += ["# TYPE solaris_store_entries gauge"]
+            lines += [f'solaris_store_entries{{table="{k}"}} {v}' for k, v in stats.items() if k != "puts"]
+            lines += ["# TYPE solaris_precomputed_total counter", f"solaris_precomputed_total {self.precomputed}",
+                      "# TYPE solaris_precompute_rounds_total counter", f"solaris_precompute_rounds_total {self.rounds}"]
+            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/lookup", lookup)
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/metrics", metrics)
+        stop = asyncio.Event()
+
+        async def background(app: web.Application):
+            task = asyncio.create_task(self.run_precompute(stop))
+            yield
+            stop.set()
+            await task
+
+        app.cleanup_ctx.append(background)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0):
+        """Start serving; returns (runner, bound port). Stop with `await runner.cleanup()`."""
+        from aiohttp import web
+
+        runner = web.AppRunner(self.app())
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        return runner, bound
+
+
+def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: int = 16, version: str = "v0",
+                  clock: Callable[[], float] | None = None, warmup: bool = True, **kw) -> SolarisService:
+    """A service over the synthetic world of `manifest.spec.data`: the train split is the history
+    (user states, predictor warm-up); the clock maps wall time onto the end of that history."""
+    from gem.data.synthetic import SyntheticWorld
+    from gem.solaris.scorer import kmeans_segments
+
+    world = SyntheticWorld(manifest.spec.data.synthetic)
+    context = world.sample(manifest.spec.data.synthetic.num_train_examples, split=0)
+    scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
+    # Segments: k-means over each user's FM representation at their latest impression.
+    order = np.argsort(context.request_time, kind="stable")
+    last = dict(zip(context.user_id[order].tolist(), order.tolist()))
+    users = np.array(sorted(last), np.int64)
+    _, embs = scorer.score(context, np.array([last[u] for u in users.tolist()]), context.ad_id[[last[u] for u in users.tolist()]])
+    seg = dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
+
+    def segment_of(u: int) -> int:
+        return seg.get(u, u % num_segments)
+
+    def campaign_of(a: int) -> int:
+        return int(world.ad_campaign[a])
+
+    end = float(context.request_time.max())
+    if clock is None:
+        offset = time.time() - end
+        clock = lambda: time.time() - offset  # noqa: E731
+    store = PrecomputeStore(ttl_s=ttl_s, version=version)
+    predictor = RequestPredictor(segment_of=segment_of, campaign_of=campaign_of)
+    lookup = HierarchicalLookup(store, campaign_of=campaign_of, segment_of=segment_of)
+    service = SolarisService(scorer=scorer, context=context, store=store, predictor=predictor, lookup=lookup,
+                             clock=clock, **kw)
+    if warmup:
+        recent = order[context.request_time[order] >= end - service.active_window_s]
+        predictor.observe_many(context.user_id[recent], context.ad_id[recent], context.request_time[recent])
+    return service

@@ -1,0 +1,56 @@
+"""The embedding memory: point-in-time lookup (no future leakage), retention, versions."""
+
+import numpy as np
+import pytest
+
+from gem.loopfm.memory import EmbeddingMemory
+
+
+def test_lookup_returns_k_most_recent_strictly_before(tmp_path):
+    mem = EmbeddingMemory(tmp_path / "m")
+    users = np.array([1, 1, 1, 2, 1])
+    ts = np.array([100, 200, 300, 150, 400])
+    emb = np.arange(5, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)  # row i = [i, i, i]
+    mem.append(users[:3], ts[:3], "v1", emb[:3])
+    mem.append(users[3:], ts[3:], "v1", emb[3:])  # two shards
+    out, out_ts, valid = mem.lookup(np.array([1, 1, 1, 2, 3]), np.array([300, 301, 100, 1000, 500]), k=2)
+    assert out.shape == (5, 2, 3)
+    # user 1 at t=300: the row logged AT 300 is excluded; most recent first
+    assert out_ts[0].tolist() == [200, 100] and valid[0].all() and out[0, :, 0].tolist() == [1.0, 0.0]
+    assert out_ts[1].tolist() == [300, 200]
+    assert not valid[2].any() and not out[2].any()  # nothing strictly before the first event
+    assert out_ts[3].tolist() == [150, 0] and valid[3].tolist() == [True, False]
+    assert not valid[4].any()  # unknown user
+
+
+def test_no_future_leakage_randomised(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 3000
+    users, ts = rng.integers(0, 50, n), rng.integers(1_700_000_000, 1_700_100_000, n)
+    mem = EmbeddingMemory(tmp_path)
+    for lo in range(0, n, 700):
+        sl = slice(lo, lo + 700)
+        mem.append(users[sl], ts[sl], "v", np.c_[users[sl], ts[sl]].astype(np.float32) * 0 + ts[sl, None])
+    q_users, q_ts = rng.integers(0, 55, 500), rng.integers(1_700_000_000, 1_700_100_000, 500)
+    emb, out_ts, valid = mem.lookup(q_users, q_ts, k=5)
+    for i in range(500):
+        mine = np.sort(ts[(users == q_users[i]) & (ts < q_ts[i])])[::-1][:5]
+        assert out_ts[i][valid[i]].tolist() == mine.tolist()
+        assert (out_ts[i][valid[i]] < q_ts[i]).all()
+        assert np.allclose(emb[i][valid[i], 0], out_ts[i][valid[i]].astype(np.float32))
+
+
+def test_retention_and_versions(tmp_path):
+    mem = EmbeddingMemory(tmp_path)
+    mem.append([1, 1, 1], [10, 20, 30], "v1", np.ones((3, 2)))
+    mem.append([1], [40], "v2", np.full((1, 2), 2.0))
+    assert mem.model_versions() == ["v1", "v2"]
+    _, ts, valid = mem.lookup([1], [100], k=4, model_version="v1")
+    assert ts[0][valid[0]].tolist() == [30, 20, 10]
+    assert mem.apply_retention(now=45, max_age_s=20) == 2  # drops t=10, 20 (older than 25)
+    _, ts, valid = mem.lookup([1], [100], k=4)
+    assert ts[0][valid[0]].tolist() == [40, 30]
+    assert mem.apply_retention(now=1000, max_age_s=1) == 2
+    assert mem.shards() == [] and not mem.lookup([1], [2000], k=1)[2].any()
+    with pytest.raises(ValueError):
+        mem.append([1], [1, 2], "v", np.ones((1, 2)))

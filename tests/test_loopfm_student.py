@@ -1,0 +1,134 @@
+"""The LoopFM student: shapes, memory features, aux-head gradient scaling, adapter target, and
+`gem distill` with distillation.method: loopfm end to end on a tiny teacher."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from gem import cli
+from gem.api.types import StudentSpec, SyntheticDataSpec
+from gem.data.batch import make_batch
+from gem.data.synthetic import SyntheticWorld
+from gem.loopfm.memory import EmbeddingMemory
+from gem.loopfm.student import LoopFMStudent, load_loopfm_student, scale_grad, student_flops
+from gem.loopfm.task import loopfm_loss
+from gem.distill.student import StudentModel
+
+SPEC = StudentSpec(embedding_dim=8, hidden_dim=16, max_seq_len=8)
+
+
+def small_batch(n=32):
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=6)).sample(n, split=0)
+    return ex, make_batch(ex, np.arange(n), max_seq_len=8)
+
+
+def test_scale_grad():
+    x = torch.ones(3, requires_grad=True)
+    (scale_grad(x, 0.25) * 2).sum().backward()
+    assert torch.allclose(x.grad, torch.full((3,), 0.5))
+
+
+def test_shapes_memory_and_point_in_time(tmp_path):
+    ex, batch = small_batch()
+    mem = EmbeddingMemory(tmp_path)
+    mem.append(ex.user_id, ex.request_time, "v", np.random.default_rng(0).normal(size=(len(ex), 6)))
+    model = LoopFMStudent(SPEC, memory_dim=6).attach_memory(mem.index())
+    emb, valid = model.memory_features(batch)
+    assert emb.shape == (32, 8, 6) and valid.shape == (32, 8)
+    # every returned embedding was logged strictly before the example's own request
+    _, ts, v = mem.lookup(ex.user_id, ex.request_time, 8)
+    assert (ts[v] < np.repeat(ex.request_time, v.sum(1))).all()
+    out = model(batch)
+    assert set(out) == {"click", "conversion"} and out["click"].shape == (32,)
+    teacher = {"click": torch.randn(32), "conversion": torch.randn(32)}
+    out = model(batch, teacher)
+    assert {"aux/click", "adapter/click", "aux/conversion", "adapter/conversion"} <= out.keys()
+    # the adapter starts as the identity on the teacher logit
+    assert torch.allclose(out["adapter/click"], teacher["click"], atol=1e-6)
+    # same backbone as the KD student, small extra serving cost
+    assert student_flops(model) < 1.5 * student_flops(StudentModel(SPEC))
+
+
+def test_aux_head_gradient_into_backbone_is_scaled_by_beta():
+    _, batch = small_batch()
+    teacher = {"click": torch.randn(32), "conversion": torch.randn(32)}
+    grads = {}
+    for beta in (1.0, 0.25):
+        torch.manual_seed(0)
+        model = LoopFMStudent(SPEC, memory_dim=6, beta=beta)
+        out = model(batch, teacher)
+        out["aux/click"].sum().backward()  # only the aux head's loss
+        grads[beta] = model.mlp[0].weight.grad.clone()
+        assert torch.count_nonzero(model.heads["click"].weight.grad or torch.zeros(1)) == 0
+    assert torch.allclose(grads[0.25], 0.25 * grads[1.0], atol=1e-6)
+
+
+def test_loss_serving_head_sees_labels_only_and_adapter_targets_labels():
+    _, batch = small_batch()
+    head_grads = []
+    for seed in (1, 2):  # two different teachers
+        torch.manual_seed(0)
+        model = LoopFMStudent(SPEC, memory_dim=6)
+        g = torch.Generator().manual_seed(seed)
+        teacher = {"click": torch.randn(32, generator=g, requires_grad=True),
+                   "conversion": torch.randn(32, generator=g)}
+        out = model(batch, teacher)
+        total, parts = loopfm_loss(out, teacher, batch, alpha=1.0, temperature=2.0)
+        total.backward()
+        head_grads.append(model.heads["click"].weight.grad.clone())
+        assert model.aux_heads["click"].weight.grad.abs().sum() > 0
+        assert model.adapter["click"][2].weight.grad.abs().sum() > 0  # the adapter trains on labels
+        assert teacher["click"].grad is None  # the teacher's logits are a constant
+        assert "adapter/click" in parts
+    # the serving head's gradient does not depend on the teacher at all: it is trained on labels only
+    assert head_grads[0].abs().sum() > 0 and torch.allclose(head_grads[0], head_grads[1])
+
+
+@pytest.fixture
+def clean_env(tmp_path):
+    saved = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
+        os.environ.pop(var, None)
+    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+DATA = {"synthetic": {"numUsers": 200, "numAds": 80, "numTrainExamples": 1500, "numEvalExamples": 500,
+                      "meanHistoryLen": 12}}
+
+
+def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, clean_env):
+    monkeypatch.chdir(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    teacher = tmp_path / "teacher.yaml"
+    teacher.write_text(yaml.safe_dump({
+        "apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "teacher"},
+        "spec": {"model": {"preset": "tiny"}, "data": DATA,
+                 "training": {"steps": 20, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
+                 "checkpoint": {"path": ckpt, "everySteps": 20}, "mlflow": {"enabled": False}}}))
+    assert cli.main(["train", "--config", str(teacher)]) == 0
+    student = tmp_path / "student.yaml"
+    student.write_text(yaml.safe_dump({
+        "apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "lf"},
+        "spec": {"teacher": {"gemTraining": "teacher"},
+                 "student": {"embeddingDim": 8, "hiddenDim": 16, "maxSeqLen": 8},
+                 "distillation": {"method": "loopfm", "alpha": 0.5, "temperature": 2.0},
+                 "data": DATA,
+                 "training": {"steps": 20, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
+                 "checkpoint": {"path": ckpt, "everySteps": 20}, "mlflow": {"enabled": False}}}))
+    assert cli.main(["distill", "--config", str(student)]) == 0
+    report = json.loads((tmp_path / "termination-log").read_text())
+    m = report["metrics"]
+    assert report["step"] == 20 and m["ne/click"] is not None and m["teacher_ne/click"] is not None
+    memory = EmbeddingMemory(tmp_path / "ckpt" / "local" / "lf" / "memory")
+    assert len(memory.index()) == 2000 and memory.index().dim == 64  # tiny preset: 2 x 32
+    model, manifest = load_loopfm_student(report["checkpoint"])
+    assert isinstance(model, LoopFMStudent) and manifest.spec.distillation.method == "loopfm"
+    assert model._memory is not None and len(model._memory) == 2000
