@@ -435,3 +435,96 @@ def _start_with(op: Operator, extra: list[str]) -> None:
             [sys.executable, "-m", "gem_operator", "--kubeconfig", str(op.kubeconfig), "-n", "default", *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
+
+
+# --------------------------------------------------------------------------- lifecycle under change
+# (appended with the reliability work: tests/test_reliability_*.py drive the same paths under
+# kills and API faults)
+
+
+def test_a_job_deleted_by_hand_fails_the_resource_and_is_not_recreated(cluster, operator, api):
+    create(api, gemtraining("orphaned"))
+    wait_phase(cluster, "GEMTraining", "orphaned", "Created")
+    cluster.patch_status("kubeflow.org/v1", "PyTorchJob", "orphaned-train", {"conditions": job_conditions("Created", "Running")})
+    wait_phase(cluster, "GEMTraining", "orphaned", "Running")
+    cluster.delete("kubeflow.org/v1", "PyTorchJob", "orphaned-train")
+    status = wait_phase(cluster, "GEMTraining", "orphaned", "Failed")
+    assert condition(status, "Failed")["reason"] == "JobDeleted" and "never starts a second job" in status["message"]
+    import time
+
+    time.sleep(3)  # more than one resync period: still no new job
+    assert jobs(cluster) == []
+
+
+def test_an_invalid_edit_while_the_job_runs_is_a_rejected_change(cluster, operator, api):
+    cluster.apply_crd(_permissive(render_crd("GEMTraining")))
+    create(api, gemtraining("edited"))
+    wait_phase(cluster, "GEMTraining", "edited", "Created")
+    api.patch_namespaced_custom_object(GROUP, VERSION, "default", "gemtrainings", "edited", {"spec": {"training": {"steps": "many"}}})
+    status = wait_for(
+        lambda: (s := status_of(cluster, "GEMTraining", "edited"))
+        and any(c["type"] == "SpecChangeAccepted" and c["reason"] == "InvalidSpec" for c in s.get("conditions", [])) and s,
+        what="SpecChangeAccepted=False (InvalidSpec)",
+    )
+    assert status["phase"] == "Created" and "spec.training.steps" in condition(status, "SpecChangeAccepted")["message"]
+    finish_job(cluster, "edited-train", {"metrics": {"ne/click": 0.8}, "ne": 0.8})
+    assert wait_phase(cluster, "GEMTraining", "edited", "Succeeded")["metrics"] == {"ne/click": 0.8}
+
+
+def test_each_transition_posts_exactly_one_event_even_across_restarts(cluster, operator, api):
+    create(api, gemtraining("once"))
+    wait_phase(cluster, "GEMTraining", "once", "Created")
+    operator.stop()
+    operator.start()
+    cluster.patch_status("kubeflow.org/v1", "PyTorchJob", "once-train", {"conditions": job_conditions("Created", "Running")})
+    wait_phase(cluster, "GEMTraining", "once", "Running")
+    operator.stop()
+    operator.start()
+    finish_job(cluster, "once-train", {"metrics": {"ne/click": 0.8}, "ne": 0.8})
+    wait_phase(cluster, "GEMTraining", "once", "Succeeded")
+    import time
+
+    time.sleep(3)  # the restarted operator re-reconciles everything: no second Event
+    reasons = [e["reason"] for e in cluster.events(involved_name="once")]
+    for reason in ("JobCreated", "JobRunning", "JobSucceeded"):
+        assert reasons.count(reason) == 1, reasons
+
+
+def test_readiness_follows_the_api_and_logs_can_be_json(cluster, api, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    ready_port, metrics_port = _free_port(), _free_port()
+    op = Operator(cluster.kubeconfig_path, tmp_path / "op.log")
+    os.environ["GEM_METRICS_PORT"] = str(metrics_port)
+    try:
+        _start_with(op, ["--readiness", f"http://127.0.0.1:{ready_port}/readyz", "--log-format", "json"])
+    finally:
+        del os.environ["GEM_METRICS_PORT"]
+
+    def probe() -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ready_port}/readyz", timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    try:
+        wait_for(lambda: probe() == 200, timeout=60, what="ready")
+        # Without the API (here: listing GEMTrainings fails) it is not ready, and ready again after.
+        rule = cluster.faults.add(method="GET", path=r"/gemtrainings\?limit=1", status=503)
+        wait_for(lambda: probe() == 503, timeout=30, interval=0.5, what="not ready while the API fails")
+        cluster.faults.remove(rule)
+        wait_for(lambda: probe() == 200, timeout=30, interval=0.5, what="ready again")
+
+        create(api, gemtraining("logged"))
+        wait_phase(cluster, "GEMTraining", "logged", "Created")
+        records = [json.loads(line) for line in (tmp_path / "op.log").read_text().splitlines() if line.startswith("{")]
+        created = [r for r in records if "created PyTorchJob" in r.get("message", "")]
+        assert created and created[0]["object"]["name"] == "logged" and created[0]["severity"] == "info"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'gem_operator_reconcile_duration_seconds_bucket{kind="GEMTraining"' in text
+    finally:
+        op.stop()

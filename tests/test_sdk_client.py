@@ -43,10 +43,10 @@ MANIFEST = textwrap.dedent(
 
 def test_public_surface_is_pinned():
     assert sorted(gem_sdk.__all__) == sorted([
-        "TERMINAL_PHASES", "AlreadyExistsError", "BackendError", "FieldError", "GEMClient", "GEMError",
+        "TERMINAL_PHASES", "AlreadyExistsError", "BackendError", "Condition", "FieldError", "GEMClient", "GEMError",
         "GEMTraining", "JobFailedError", "KubernetesBackendConfig", "LocalBackendConfig", "LoopFMDistill",
-        "NotFoundError", "ObjectInput", "Phase", "Ref", "Resource", "ValidationError", "WaitTimeoutError",
-        "resolve_kind",
+        "MetricPoint", "NotFoundError", "ObjectInput", "Phase", "Ref", "ReplicaPod", "Resource", "Until",
+        "ValidationError", "WaitTimeoutError", "resolve_kind",
     ])
     for name in gem_sdk.__all__:
         assert getattr(gem_sdk, name) is not None
@@ -55,13 +55,17 @@ def test_public_surface_is_pinned():
 @pytest.mark.parametrize("impl", [KubernetesBackend, LocalBackend, GEMClient])
 def test_backends_keep_the_base_signatures(impl):
     methods = [n for n, f in inspect.getmembers(Backend, inspect.isfunction) if getattr(f, "__isabstractmethod__", False)]
-    assert set(methods) == {"submit", "get", "list", "wait", "logs", "delete"}
+    assert set(methods) == {"submit", "get", "list", "wait", "logs", "update", "pods", "metrics", "delete"}
     for name in methods:
         assert inspect.signature(getattr(impl, name)) == inspect.signature(getattr(Backend, name)), name
 
 
 def test_public_methods_are_documented():
-    for name in ("submit", "get", "list", "wait", "logs", "delete"):
+    public = [n for n, f in inspect.getmembers(GEMClient, inspect.isfunction) if not n.startswith("_")]
+    assert {"suspend", "resume", "update", "get_conditions", "is_running", "is_succeeded", "is_failed", "pods",
+            "pod_names", "all_logs", "metrics"} <= set(public)
+    for name in ("submit", "get", "list", "wait", "logs", "delete", "update", "suspend", "resume", "get_conditions",
+                 "pods", "all_logs", "metrics"):
         doc = getattr(GEMClient, name).__doc__
         assert "Args:" in doc and "Raises:" in doc, name
 

@@ -248,7 +248,7 @@ def test_wait_times_out(client, kubeapi):
     start = time.monotonic()
     with pytest.raises(WaitTimeoutError) as info:
         client.wait("slow", timeout=1.5)
-    assert 1.4 < time.monotonic() - start < 5
+    assert time.monotonic() - start >= 1.4  # it waited the whole timeout (no upper bound: loaded CI)
     assert isinstance(info.value, TimeoutError) and info.value.object.status.phase == "Running"
     assert "phase Running" in str(info.value)
 

@@ -28,11 +28,14 @@ class Batch:
     seq_campaign_id: torch.Tensor  # int64 [ΣL]
     seq_type: torch.Tensor  # int64 [ΣL]
     seq_timestamp: torch.Tensor  # int64 [ΣL], seconds
+    seq_surface: torch.Tensor  # int64 [ΣL], the surface each event happened on
     click: torch.Tensor  # float32 [B]
     conversion: torch.Tensor  # float32 [B]
     p_click: torch.Tensor  # float32 [B], true probability (evaluation only, never a feature)
     p_conversion: torch.Tensor  # float32 [B]
     weight: torch.Tensor  # float32 [B]: 1 for real examples, 0 for padding that evens out eval shards
+    dwell: torch.Tensor  # float32 [B], awareness label; NaN where a source does not know it
+    p_dwell: torch.Tensor  # float32 [B]
 
     @property
     def size(self) -> int:
@@ -78,9 +81,12 @@ def make_batch(ex: Examples, index: np.ndarray, *, max_seq_len: int, weight: np.
         seq_campaign_id=t(ex.seq_campaign_id[src]),
         seq_type=t(ex.seq_type[src]),
         seq_timestamp=t(ex.seq_timestamp[src]),
+        seq_surface=t(ex.seq_surface[src]),
         click=t(ex.click[index]),
         conversion=t(ex.conversion[index]),
         p_click=t(ex.p_click[index]),
         p_conversion=t(ex.p_conversion[index]),
         weight=t(np.ones(len(index), np.float32) if weight is None else weight.astype(np.float32)),
+        dwell=t(ex.dwell[index]),
+        p_dwell=t(ex.p_dwell[index]),
     )

@@ -12,6 +12,12 @@ so a model that reads the sequence can beat one that only sees ids. A conversion
 only after a click, with its own probability (post-click CVR). Each example stores both
 true probabilities, so the Bayes-optimal NE of the data is computable.
 
+The funnel's top: every impression also has an awareness label, `dwell` (the ad stayed on
+screen long enough to be seen), whose probability depends on affinity, the ad's creative, the
+request's surface and how active the user has recently been *on that surface*: every history
+event carries the surface it happened on (`seq_surface`). These were added after v1 and come
+from their own random streams, so every v1 field is bit-identical to what v1 generated.
+
 Everything is vectorised numpy: 24k examples with 48-event histories take well under a second.
 """
 
@@ -37,6 +43,8 @@ HISTORY_LEN_SIGMA = 0.8  # log-normal shape: a long tail of heavy users
 HISTORY_FROM_FAVOURITES = 0.6  # share of history events on the user's favourite campaigns
 CANDIDATE_FROM_FAVOURITES = 0.35  # share of candidates the targeting picks from them
 NUM_DENSE = 2  # log1p(history length), a noisy ad-quality score
+DWELL_DECAY_S = 6 * 3600.0  # recent activity on the request's surface raises dwell, e-folding in 6h
+DWELL_SURFACE_BIAS = np.array([0.0, 0.6])  # full-screen reels hold the eye longer than feed
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class Examples:
     seq_campaign_id: np.ndarray  # int64 [E]
     seq_type: np.ndarray  # int64 [E]
     seq_timestamp: np.ndarray  # int64 [E], seconds, ascending within each example
+    seq_surface: np.ndarray  # int64 [E], the surface the event happened on
+    dwell: np.ndarray  # float32 [N] in {0, 1} (NaN: unknown): the awareness label
+    p_dwell: np.ndarray  # float32 [N], the true dwell probability
 
     def __len__(self) -> int:
         return int(self.user_id.shape[0])
@@ -101,6 +112,9 @@ class SyntheticWorld:
             best = np.argsort(-scores, axis=1)[:, :top]
             favourites[lo : lo + 8192] = best[:, np.arange(NUM_FAVOURITE_CAMPAIGNS) % top]
         self.favourites = favourites  # [U, F]
+        # Added after v1 (drawn last, so the v1 world above is unchanged): the funnel's top.
+        self.user_reels_share = rng.beta(2.0, 2.0, self.num_users)  # [U], share of a user's events on reels
+        self.ad_dwell_bias = rng.normal(0.0, 0.5, self.num_ads)  # [A], how eye-catching the creative is
 
     # ------------------------------------------------------------------ sampling helpers
 
@@ -180,6 +194,16 @@ class SyntheticWorld:
 
         quality_obs = self.ad_quality[ads] + rng.normal(0.0, 0.3, n)  # a noisy, observable quality score
         dense = np.stack([np.log1p(lengths) - np.log1p(self.spec.mean_history_len), quality_obs], axis=1)
+
+        # Awareness (added after v1, own random stream): surfaces of past events, then dwell.
+        rng2 = np.random.default_rng([self.spec.seed, 2, split])
+        seq_surface = (rng2.random(owner.shape) < self.user_reels_share[users[owner]]).astype(np.int64)
+        same_surface = (seq_surface == surface[owner]) * np.exp(-seq_age / DWELL_DECAY_S)  # [E]
+        surface_activity = np.bincount(owner, weights=same_surface, minlength=n)  # [N]
+        dwell_logit = (-0.6 + 0.6 * self.affinity(users, ads) + self.ad_dwell_bias[ads]
+                       + DWELL_SURFACE_BIAS[surface] + 1.5 * (1.0 - np.exp(-0.5 * surface_activity)))
+        p_dwell = _sigmoid(dwell_logit)
+        dwell = rng2.random(n) < p_dwell
         return Examples(
             user_id=users.astype(np.int64),
             ad_id=ads.astype(np.int64),
@@ -197,6 +221,9 @@ class SyntheticWorld:
             seq_campaign_id=seq_campaign.astype(np.int64),
             seq_type=seq_type.astype(np.int64),
             seq_timestamp=(request_time[owner] - np.rint(seq_age)).astype(np.int64),
+            seq_surface=seq_surface,
+            dwell=dwell.astype(np.float32),
+            p_dwell=p_dwell.astype(np.float32),
         )
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from gem.api.types import ModelSpec
-from gem.model.config import PRESETS, GEMConfig, config_from_spec
-from gem.model.gem import TASKS, GEMModel
+from gem.model.config import PRESETS, GEMConfig, config_from_spec, kunlun_config
+from gem.model.gem import TASKS, GEMModelV1
+from gem.model.kunlun import GEMModel
 
 
 def build_model(spec: ModelSpec) -> GEMModel:
@@ -12,4 +13,5 @@ def build_model(spec: ModelSpec) -> GEMModel:
     return GEMModel(config_from_spec(spec))
 
 
-__all__ = ["GEMConfig", "GEMModel", "PRESETS", "TASKS", "build_model", "config_from_spec"]
+__all__ = ["GEMConfig", "GEMModel", "GEMModelV1", "PRESETS", "TASKS", "build_model", "config_from_spec",
+           "kunlun_config"]

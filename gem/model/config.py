@@ -1,4 +1,9 @@
-"""Model sizes: a table of presets plus the overrides a ModelSpec may carry."""
+"""Model sizes: a table of presets plus the overrides a ModelSpec may carry.
+
+`GEMConfig` is what the trainer and the API see (the four ModelSpec fields plus table sizes);
+`kunlun_config(cfg)` expands it into the full Kunlun architecture config
+(gem.modules.config.PRESETS holds the rest of each preset: tiers, summaries, experts, heads).
+"""
 
 from __future__ import annotations
 
@@ -10,37 +15,41 @@ from gem.api.types import ModelSpec
 @dataclass(kw_only=True, slots=True, frozen=True)
 class GEMConfig:
     embedding_dim: int
-    """Width d of every token."""
+    """Width d of the non-sequence tokens; event tiers are multiples of it (clicks 2d, impressions d)."""
     num_heads: int
-    """Attention heads; d must be divisible by it."""
+    """Attention heads of every event tier; each tier's head width must be even (rotary)."""
     num_layers: int
-    """Cross-attention blocks in which the query tokens read the event sequence."""
+    """Kunlun layers (with CompSkip, even layers: summary + personalised FFN, odd: block attention)."""
     max_seq_len: int
-    """Most recent events kept per example."""
+    """Most recent events kept per example (and per tier after merging)."""
+    preset: str = "tiny"
+    """The Kunlun preset (gem.modules.config.PRESETS) that fixes everything not listed here."""
     num_seeds: int = 4
-    """Learned query tokens that summarise the history independently of the candidate."""
+    """GEM v1 only (gem.model.gem.GEMModelV1): learned query tokens."""
     hidden_dim: int = 256
-    """Width of the interaction MLP."""
+    """GEM v1 only: width of the interaction MLP."""
     user_buckets: int = 1 << 14
     """Hash buckets of the user id table (users are many: they are hashed, collisions allowed)."""
     item_buckets: int = 1 << 13
     """Hash buckets of the ad id table, shared by the candidate ad and history events."""
     campaign_buckets: int = 1 << 11
-    """Hash buckets of the campaign and advertiser tables."""
+    """Hash buckets of the campaign table."""
     num_time_buckets: int = 32
     """Log-spaced buckets of an event's age (see gem.model.embeddings.time_bucket)."""
 
 
 PRESETS: dict[str, GEMConfig] = {
     # tests and CPU demos
-    "tiny": GEMConfig(embedding_dim=32, num_heads=2, num_layers=1, max_seq_len=64, num_seeds=2, hidden_dim=64,
-                      user_buckets=1 << 12, item_buckets=1 << 11, campaign_buckets=1 << 9),
-    "small": GEMConfig(embedding_dim=64, num_heads=4, num_layers=2, max_seq_len=128, num_seeds=4, hidden_dim=128),
+    "tiny": GEMConfig(embedding_dim=32, num_heads=2, num_layers=2, max_seq_len=64, preset="tiny", num_seeds=2,
+                      hidden_dim=64, user_buckets=1 << 12, item_buckets=1 << 11, campaign_buckets=1 << 9),
+    "small": GEMConfig(embedding_dim=128, num_heads=4, num_layers=2, max_seq_len=2048, preset="small",
+                       hidden_dim=128),
     # GPU
-    "base": GEMConfig(embedding_dim=256, num_heads=4, num_layers=4, max_seq_len=512, num_seeds=8, hidden_dim=1024,
-                      user_buckets=1 << 20, item_buckets=1 << 18, campaign_buckets=1 << 15),
-    "large": GEMConfig(embedding_dim=512, num_heads=8, num_layers=8, max_seq_len=2048, num_seeds=16,
-                       hidden_dim=2048, user_buckets=1 << 22, item_buckets=1 << 20, campaign_buckets=1 << 16),
+    "base": GEMConfig(embedding_dim=256, num_heads=8, num_layers=4, max_seq_len=4096, preset="base", num_seeds=8,
+                      hidden_dim=1024, user_buckets=1 << 20, item_buckets=1 << 18, campaign_buckets=1 << 15),
+    "large": GEMConfig(embedding_dim=512, num_heads=8, num_layers=8, max_seq_len=16384, preset="large",
+                       num_seeds=16, hidden_dim=2048, user_buckets=1 << 22, item_buckets=1 << 20,
+                       campaign_buckets=1 << 16),
 }
 
 
@@ -58,4 +67,23 @@ def config_from_spec(spec: ModelSpec) -> GEMConfig:
             f"model.embeddingDim ({cfg.embedding_dim}) must be divisible by model.numHeads ({cfg.num_heads}) "
             f"(preset {spec.preset} with overrides {overrides or 'none'})"
         )
+    if (cfg.embedding_dim // cfg.num_heads) % 2:
+        raise ValueError(
+            f"model.embeddingDim / model.numHeads ({cfg.embedding_dim} / {cfg.num_heads}) must be even: "
+            f"time rotary rotates pairs of channels (preset {spec.preset} with overrides {overrides or 'none'})"
+        )
     return cfg
+
+
+def kunlun_config(cfg: GEMConfig):
+    """The Kunlun architecture config of a GEMConfig: its preset, resized to cfg's four fields."""
+    from gem.modules.config import PRESETS as KUNLUN_PRESETS
+    from gem.modules.config import v1_features
+
+    base = KUNLUN_PRESETS[cfg.preset]
+    scale = cfg.embedding_dim / base.dim
+    tiers = tuple(replace(t, dim=round(t.dim * scale), num_heads=cfg.num_heads, max_seq_len=cfg.max_seq_len)
+                  for t in base.tiers)
+    features = v1_features(cfg.user_buckets, cfg.item_buckets, cfg.campaign_buckets)
+    return replace(base, features=features, tiers=tiers, dim=cfg.embedding_dim, num_layers=cfg.num_layers,
+                   num_time_buckets=cfg.num_time_buckets)

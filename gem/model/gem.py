@@ -1,5 +1,5 @@
-"""GEM model v1: candidate-aware jagged attention over the event history, an interaction MLP,
-and one logit per task.
+"""GEM model v1 (kept for comparison; `build_model` now builds gem.model.kunlun.GEMModel):
+candidate-aware jagged attention over the event history, an interaction MLP, one logit per task.
 
     non-sequence tokens X [B, 5, d]  (user, ad, campaign, surface, dense)
     learned seeds        [B, n_seed, d]
@@ -12,8 +12,8 @@ and one logit per task.
 
 The candidate ad and campaign tokens are queries, so the model can look for past events on
 the same campaign and weigh them by type and age; the seeds summarise the history
-independently of the candidate. The full Kunlun architecture will replace this module behind
-the same `build_model(spec)`.
+independently of the candidate. The full Kunlun architecture (gem/modules, docs/architecture.md)
+replaced it behind the same `build_model(spec)`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class CrossAttentionBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class GEMModel(nn.Module):
+class GEMModelV1(nn.Module):
     def __init__(self, cfg: GEMConfig):
         super().__init__()
         self.cfg = cfg

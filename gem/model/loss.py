@@ -1,4 +1,9 @@
-"""Multi-task BCE: click on every impression, conversion (post-click CVR) only on clicked ones."""
+"""Multi-task BCE over the funnel: click on every impression, conversion (post-click CVR) only on
+clicked ones, and the awareness label dwell wherever it is known.
+
+`task_labels` / `task_masks` keep their v1 meaning (click and conversion: the distillation
+tasks use them); `multitask_bce` trains every task the model has logits for.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,17 @@ def task_labels(batch: Batch) -> dict[str, torch.Tensor]:
     return {"click": batch.click, "conversion": batch.conversion}
 
 
+def funnel_labels_and_masks(batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """task_labels / task_masks plus dwell (awareness): masked where unknown (NaN, e.g. a source without it)."""
+    labels, masks = task_labels(batch), task_masks(batch)
+    dwell = getattr(batch, "dwell", None)
+    if dwell is not None:
+        known = torch.isfinite(dwell)
+        labels["dwell"] = torch.where(known, dwell, torch.zeros_like(dwell))
+        masks["dwell"] = batch.weight * known.to(batch.weight.dtype)
+    return labels, masks
+
+
 def masked_bce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean BCE over the examples where mask is 1 (0 if there are none)."""
     per_example = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none")
@@ -25,6 +41,6 @@ def masked_bce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) 
 
 def multitask_bce(logits: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum of the per-task losses, and each task's loss for logging."""
-    labels, masks = task_labels(batch), task_masks(batch)
+    labels, masks = funnel_labels_and_masks(batch)
     parts = {task: masked_bce(logits[task], labels[task], masks[task]) for task in logits}
     return sum(parts.values()), parts

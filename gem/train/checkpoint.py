@@ -87,6 +87,13 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
+    applied = getattr(engine.module, "gem_parallel", None)
+    if applied is not None and (applied.tensor_parallel or applied.expert_parallel or applied.sparse):
+        # sharded by gem.parallel: gather the single-device tensors (names and shapes of build_model)
+        from gem.parallel.parallelize import full_state_dict as gather_full
+
+        full = gather_full(engine.module, value=safe_get_full_fp32_param)
+        return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
     out: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
         full = safe_get_full_fp32_param(param)

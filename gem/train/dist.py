@@ -4,6 +4,11 @@ Inside a pod, `torchrun` (fed PET_NNODES / PET_NPROC_PER_NODE / PET_NODE_RANK / 
 PET_MASTER_PORT by the Kubeflow training operator) sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT for each process. Without torchrun, `gem train` is one process:
 world size 1 on a free local port. Backend: nccl on GPU, gloo on CPU.
+
+`setup_parallel` turns the spec into a parallel plan (gem/parallel, docs/parallelism.md): explicit
+degrees from spec.training.deepspeed.parallelPlan or the automatic choice for the job's topology,
+logged with its reason; it builds the process groups, applies the plan to the model and hands
+DeepSpeed its groups (`mpu`) and config (`deepspeed_config(..., plan=)`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ if not torch.cuda.is_available():
 import torch.distributed as torch_dist  # noqa: E402
 
 from gem.api.types import ParallelismSpec, TrainingSpec  # noqa: E402
+from gem.parallel.job import deepspeed_overrides  # noqa: E402
+from gem.parallel.plan import ParallelPlan  # noqa: E402
 
 log = logging.getLogger("gem.train")
 
@@ -122,8 +129,26 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config the spec implies, with training.deepspeed merged over it."""
+def setup_parallel(model: torch.nn.Module, spec: Any, env: DistEnv, *, max_seq_len: int = 0):
+    """Plan the job, build its process groups and parallelize `model` (gem.parallel.setup). Collective.
+
+    Returns a gem.parallel.setup.ParallelSetup: .model, .mpu, .data_rank / .data_world_size (the
+    data shard this rank reads: tensor- and context-parallel peers read the same one), .report().
+    """
+    from gem.parallel.setup import setup_parallel as _setup
+
+    return _setup(model, spec, world_size=env.world_size, rank=env.rank, procs_per_node=env.local_world_size,
+                  max_seq_len=max_seq_len)
+
+
+def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, world_size: int,
+                     plan: ParallelPlan | None = None) -> dict[str, Any]:
+    """The DeepSpeed config the spec (and the parallel plan) imply, with training.deepspeed merged over it.
+
+    With a plan, ZeRO runs at plan.zero_stage over the plan's data group (hpZ for HSDP at ZeRO-3)
+    and the global batch counts that group. `parallelPlan` in training.deepspeed is the plan's
+    input, not DeepSpeed's: it is left out.
+    """
     precision = str(training.precision)
     if precision == "mxfp8":
         # MXFP8 needs Blackwell-class kernels this trainer does not ship yet; bf16 is its fallback.
@@ -139,6 +164,11 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
         "steps_per_print": 10**9,  # the trainer logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
-    if training.deepspeed:
-        config = _merge(config, training.deepspeed)
+    if plan is not None:
+        from gem.parallel.deepspeed_config import deepspeed_config_fragment
+
+        config = _merge(config, deepspeed_config_fragment(plan, micro_batch_size=training.batch_size))
+    overrides, _ = deepspeed_overrides(training.deepspeed)
+    if overrides:
+        config = _merge(config, overrides)
     return config

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gem.api.types import DataSpec, GEMTraining
-from gem.data import Batch, Examples, build_splits
+from gem.data import Batch, Examples, ShardedLoader, build_splits
 from gem.model import GEMModel, config_from_spec
 from gem.model.loss import multitask_bce
 
@@ -34,12 +34,24 @@ class Task(Protocol):
         ...
 
 
-def load_splits(data: DataSpec) -> tuple[Examples, Examples]:
-    if data.source != "synthetic":
-        raise NotImplementedError(
-            f"data.source {data.source!r} is not supported by this trainer yet: use data.source: synthetic"
-        )
+def load_splits(data: DataSpec) -> tuple[Any, Examples]:
+    """(train, eval): train is Examples (synthetic) or a streamed ParquetSource (parquet, see docs/data.md)."""
+    if str(data.source) == "parquet":
+        from gem.data.parquet import load_parquet_splits
+
+        return load_parquet_splits(data.path)
+    if str(data.source) != "synthetic":
+        raise NotImplementedError(f"data.source {data.source!r} is not supported by this trainer")
     return build_splits(data.synthetic)
+
+
+def build_train_loader(train: Any, **kwargs: Any) -> Any:
+    """ShardedLoader over in-memory Examples, ParquetLoader over a ParquetSource (same interface)."""
+    if isinstance(train, Examples):
+        return ShardedLoader(train, **kwargs)
+    from gem.data.parquet import ParquetLoader
+
+    return ParquetLoader(train, **kwargs)
 
 
 class GEMTask:

@@ -7,7 +7,9 @@
 - Params: the resolved spec, flattened (`training.learningRate`, ...), logged once.
 - Metrics: per-step loss and lr (buffered, written in batches), eval metrics.
 - Artifacts: the resolved manifest (gem.yaml) and the final checkpoint's model.pt + gem.yaml
-  under checkpoint/.
+  under checkpoint/; the eval report (eval/eval_report.json, .png).
+- Model registry: the final checkpoint registered as a new version of a registered model
+  (register_model).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import yaml
 
 log = logging.getLogger("gem.train")
 
+REGISTER_ENV = "GEM_MLFLOW_REGISTER"  # "0": do not register the final model
+REGISTERED_NAME_ENV = "GEM_REGISTERED_MODEL_NAME"  # registry name (default: the experiment name)
 FLUSH_EVERY = 20  # buffered step metrics are written in one log_batch call this often
 
 
@@ -128,6 +132,38 @@ class Tracker:
             return
         for name in ("model.pt", "gem.yaml"):
             self._client.log_artifact(self.run_id, str(ckpt / name), artifact_path="checkpoint")
+
+    def log_artifacts(self, paths: list[Path], artifact_path: str) -> None:
+        if self.active:
+            for path in paths:
+                self._client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+
+    def register_model(self) -> str | None:
+        """Register runs:/<run>/checkpoint in the model registry; returns "name/version" or None.
+
+        Name: $GEM_REGISTERED_MODEL_NAME, else the experiment name (proposed API field:
+        spec.mlflow.registeredModelName). Stores without a registry (file stores) only warn.
+        """
+        if not self.active or not self.run_id or os.environ.get(REGISTER_ENV, "1") == "0":
+            return None
+        name = os.environ.get(REGISTERED_NAME_ENV) or self.manifest.spec.mlflow.experiment
+        try:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self._client.create_registered_model(name)
+            except MlflowException as e:
+                if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
+                    raise
+            source = f"{self._client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/checkpoint"
+            mv = self._client.create_model_version(name, source=source, run_id=self.run_id,
+                                                   tags={"gem.dev/uid": job_uid(self.manifest)})
+            self._client.set_tag(self.run_id, "gem.dev/registeredModel", f"{name}/{mv.version}")
+            log.info("mlflow: registered model %s version %s (%s)", name, mv.version, source)
+            return f"{name}/{mv.version}"
+        except Exception as e:  # registry is optional: a finished run must not fail here
+            log.warning("mlflow: model not registered as %r: %s: %s", name, type(e).__name__, e)
+            return None
 
     # ------------------------------------------------------------------ report fields
 

@@ -1,7 +1,8 @@
 """The training loop shared by `gem train` and `gem distill`.
 
     env = init_distributed()                     # torchrun's world, or a world of one
-    engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec)
+    parallel = setup_parallel(model, spec, env)  # parallel plan (logged with its reason), groups, parallelized model
+    engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec and plan, mpu)
     resume from the latest complete checkpoint   # model, optimizer, scheduler, data position, RNG
     for step in start+1 .. training.steps:
         loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
@@ -26,7 +27,7 @@ import torch
 from gem.data import Batch, ShardedLoader
 from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
 from gem.train import checkpoint
-from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config
+from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
 from gem.train.optim import build_optimizer
 from gem.train.precision import apply_precision
 from gem.train.task import Task, build_train_loader, load_splits
@@ -72,13 +73,17 @@ class Trainer:
         seed_everything(training.seed)
         self.train_examples, self.eval_examples = load_splits(self.spec.data)
         model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
+        self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
+        model = self.parallel.model
         optimizer, scheduler = build_optimizer(model, training)
-        ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size)
+        ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size,
+                                     plan=self.parallel.job.plan)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=self.parallel.mpu)
+        # tensor- and context-parallel peers read the same data shard
         self.loader = build_train_loader(self.train_examples, batch_size=training.batch_size,
-                                    max_seq_len=self.task.max_seq_len, rank=self.env.rank,
-                                    world_size=self.env.world_size, seed=training.seed)
+                                    max_seq_len=self.task.max_seq_len, rank=self.parallel.data_rank,
+                                    world_size=self.parallel.data_world_size, seed=training.seed)
         if self.env.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             log.info("job=%s world_size=%d zero_stage=%d precision=%s params=%d train_examples=%d eval_examples=%d",
@@ -118,9 +123,12 @@ class Trainer:
                 return self.engine(batch)
 
         mine = collect_predictions(predict, self.eval_examples, max_seq_len=self.task.max_seq_len,
-                                   rank=self.env.rank, world_size=self.env.world_size, device=self.env.device)
+                                   rank=self.parallel.data_rank, world_size=self.parallel.data_world_size,
+                                   device=self.env.device)
         self.engine.train()
-        self._predictions = all_gather_objects(mine)  # rank order = eval split order (gem/eval/report.py)
+        # one copy per data shard (tp/cp peers predicted the same examples); data-shard order = eval split order
+        parts = all_gather_objects(mine if self.parallel.is_data_writer else None)
+        self._predictions = [p for p in parts if p is not None]  # (gem/eval/report.py)
         return metrics_from_predictions(self._predictions)
 
     def _save(self) -> Path:
@@ -162,7 +170,7 @@ class Trainer:
                 progress.update(1)
                 progress.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
             if self.env.is_main and (self.step % LOG_EVERY == 0 or self.step == self.total_steps):
-                rate = seen * self.env.world_size / (time.perf_counter() - t0)
+                rate = seen * self.parallel.data_world_size / (time.perf_counter() - t0)
                 self._log_line("step", step=self.step, total_steps=self.total_steps, lr=f"{lr:.3g}",
                                examples_per_s=f"{rate:.0f}", **{k: f"{v:.4f}" for k, v in logs.items()})
             if training.eval_every and self.step % training.eval_every == 0 and self.step < self.total_steps:
@@ -236,5 +244,6 @@ class Trainer:
             "mlflowRunId": self.tracker.run_id,
             "mlflowExperimentId": self.tracker.experiment_id,
             "mlflowRunUrl": self.tracker.run_url,
+            "parallelPlan": self.parallel.report(),
         }
         return report

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import random
 import logging
 import os
+import random
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -16,6 +16,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kubeconfig", help="Path of a kubeconfig; default: in-cluster, then $KUBECONFIG, then ~/.kube/config.")
     p.add_argument("--liveness", default=None, help="Serve liveness on this URL, e.g. http://0.0.0.0:8080/healthz.")
     p.add_argument(
+        "--readiness",
+        default=None,
+        help="Serve readiness on this URL, e.g. http://0.0.0.0:8081/readyz: ready once started and while the API "
+        "server answers for every watched kind (or $GEM_READINESS_URL).",
+    )
+    p.add_argument(
         "--peering", default=None, help="Peering object name: replicas that share one never act at once (default: standalone)."
     )
     p.add_argument(
@@ -25,6 +31,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Peering priority: the highest-priority replica acts, the others wait (default: random).",
     )
     p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow URI given to trainer pods (or $GEM_MLFLOW_TRACKING_URI).")
+    p.add_argument(
+        "--log-format",
+        choices=["full", "plain", "json"],
+        default=os.environ.get("GEM_LOG_FORMAT", "full"),
+        help="full: timestamped text (default); plain: messages only; json: one JSON object per line, with the "
+        "resource as `object` (or $GEM_LOG_FORMAT).",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     return p.parse_args(argv)
 
@@ -35,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["KUBECONFIG"] = args.kubeconfig
     if args.mlflow_tracking_uri:
         os.environ["GEM_MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
+    if args.readiness:
+        os.environ["GEM_READINESS_URL"] = args.readiness
+    os.environ["GEM_WATCH_NAMESPACES"] = ",".join(args.namespace)
     import kopf
 
     import gem_operator.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=args.verbose, log_prefix=True)
+    log_format = {"full": kopf.LogFormat.FULL, "plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON}[args.log_format]
+    kopf.configure(verbose=args.verbose, log_format=log_format, log_prefix=args.log_format != "json")
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     kopf.run(
         clusterwide=not args.namespace,

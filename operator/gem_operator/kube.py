@@ -7,14 +7,20 @@ ClusterRole in manifests/ and the Helm chart are checked: nothing else may be ca
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
+import hashlib
 import json
+import os
+import uuid
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.rest import ApiException
 
 from gem.api.types import GROUP, KINDS, VERSION
+from gem_operator.settings import CONFIG
 
 #: Everything the operator's code does to the API (kopf's own needs included).
 RBAC_RULES: list[dict[str, Any]] = [
@@ -38,13 +44,37 @@ class Conflict(Exception):
     """The object exists but belongs to someone else."""
 
 
+class Rejected(Exception):
+    """The API server refused an object we rendered (400/422): retrying cannot help."""
+
+
+#: HTTP statuses worth retrying: conflicts, throttling and server-side trouble.
+TRANSIENT_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed API call may succeed when retried (the handler raises TemporaryError)."""
+    if isinstance(e, ApiException):
+        return e.status in TRANSIENT_STATUSES or e.status == 0  # 0: the client's own connection error
+    return isinstance(e, (urllib3.exceptions.HTTPError, OSError))
+
+
 @functools.cache
 def _api_client() -> kubernetes.client.ApiClient:
+    cfg = kubernetes.client.Configuration()
     try:
-        kubernetes.config.load_incluster_config()
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    return kubernetes.client.ApiClient()
+        kubernetes.config.load_kube_config(client_configuration=cfg)
+    # No silent retries inside urllib3: a failed call surfaces at once and the handler is retried
+    # by kopf with backoff, so one slow API cannot multiply each call's timeout.
+    cfg.retries = False
+    return kubernetes.client.ApiClient(cfg)
+
+
+def _timeout() -> tuple[float, float]:
+    """(connect, read) timeout of every call: a hung request never holds a handler thread."""
+    return (min(10.0, CONFIG.api_timeout_seconds), CONFIG.api_timeout_seconds)
 
 
 def custom() -> kubernetes.client.CustomObjectsApi:
@@ -61,18 +91,31 @@ def plural_of(kind: str) -> str:
 
 def get_resource(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return custom().get_namespaced_custom_object(GROUP, VERSION, namespace, plural_of(kind), name)
+        return custom().get_namespaced_custom_object(
+            GROUP, VERSION, namespace, plural_of(kind), name, _request_timeout=_timeout()
+        )
     except ApiException as e:
         if e.status == 404:
             return None
         raise
 
 
-def patch_status(kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
-    """Merge-patch the status subresource; a resource deleted meanwhile is not an error."""
+def patch_status(
+    kind: str, namespace: str, name: str, status: dict[str, Any], resource_version: str | None = None
+) -> None:
+    """Merge-patch the status subresource; a resource deleted meanwhile is not an error.
+
+    With `resource_version` (that of the body the status was computed from) the write only lands
+    if nobody wrote in between, else 409 Conflict: status lists such as `conditions` are replaced
+    whole by a merge patch, so a write computed from a stale body would drop what another writer
+    (the job-event mirror, the timer, a handler) just added.
+    """
+    body: dict[str, Any] = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
     try:
         custom().patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, plural_of(kind), name, {"status": status}
+            GROUP, VERSION, namespace, plural_of(kind), name, body, _request_timeout=_timeout()
         )
     except ApiException as e:
         if e.status != 404:
@@ -83,16 +126,22 @@ def ensure_config_map(cm: dict[str, Any]) -> None:
     """Create the ConfigMap, or bring an existing one of ours up to date (idempotent)."""
     ns, name = cm["metadata"]["namespace"], cm["metadata"]["name"]
     try:
-        core().create_namespaced_config_map(ns, cm)
+        core().create_namespaced_config_map(ns, cm, _request_timeout=_timeout())
     except ApiException as e:
-        if e.status != 409:
+        if e.status in (400, 422):
+            raise Rejected(f"ConfigMap {ns}/{name}: {_reason(e)}") from None
+        if e.status != 409 or _reason_code(e) != "AlreadyExists":
             raise
-        core().patch_namespaced_config_map(name, ns, {"data": cm["data"], "metadata": {"labels": cm["metadata"]["labels"]}})
+        core().patch_namespaced_config_map(
+            name, ns, {"data": cm["data"], "metadata": {"labels": cm["metadata"]["labels"]}}, _request_timeout=_timeout()
+        )
 
 
 def get_pytorchjob(namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return custom().get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+        return custom().get_namespaced_custom_object(
+            "kubeflow.org", "v1", namespace, "pytorchjobs", name, _request_timeout=_timeout()
+        )
     except ApiException as e:
         if e.status == 404:
             return None
@@ -108,10 +157,15 @@ def ensure_pytorchjob(job: dict[str, Any], owner_uid: str) -> tuple[dict[str, An
     """
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     try:
-        created = custom().create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", job)
+        created = custom().create_namespaced_custom_object(
+            "kubeflow.org", "v1", ns, "pytorchjobs", job, _request_timeout=_timeout()
+        )
         return created, True
     except ApiException as e:
-        if e.status != 409:
+        if e.status in (400, 422):
+            raise Rejected(f"PyTorchJob {ns}/{name}: {_reason(e)}") from None
+        # Only AlreadyExists means "it is there": any other 409 is a conflict worth retrying.
+        if e.status != 409 or _reason_code(e) != "AlreadyExists":
             raise
     existing = get_pytorchjob(ns, name)
     if existing is None:
@@ -126,14 +180,17 @@ def ensure_pytorchjob(job: dict[str, Any], owner_uid: str) -> tuple[dict[str, An
 
 
 def patch_pytorchjob(namespace: str, name: str, patch: dict[str, Any]) -> None:
-    custom().patch_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name, patch)
+    custom().patch_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs", name, patch, _request_timeout=_timeout()
+    )
 
 
 def list_job_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
     # Raw JSON, not the client's models: they reject pods that newer kubelets or other
     # runtimes report with fields they consider required (a known strictness of the client).
     resp = core().list_namespaced_pod(
-        namespace, label_selector=f"training.kubeflow.org/job-name={job_name}", _preload_content=False
+        namespace, label_selector=f"training.kubeflow.org/job-name={job_name}", _preload_content=False,
+        _request_timeout=_timeout(),
     )
     return json.loads(resp.data)["items"]
 
@@ -143,10 +200,65 @@ def pod_log_tail(namespace: str, pod: str, lines: int = 50) -> str | None:
     try:
         # Raw bytes: the client would turn log text that looks like JSON into a Python repr.
         resp = core().read_namespaced_pod_log(
-            pod, namespace, container="pytorch", tail_lines=lines, _preload_content=False
+            pod, namespace, container="pytorch", tail_lines=lines, _preload_content=False, _request_timeout=_timeout()
         )
         return resp.data.decode("utf-8", errors="replace")
     except ApiException as e:
         if e.status in (400, 404):  # not started yet, or gone
             return None
         raise
+
+
+def post_event(obj: dict[str, Any], type_: str, reason: str, message: str, key: str | None = None) -> None:
+    """Post a core/v1 Event about `obj`, synchronously, before the status change it announces.
+
+    With a `key` (what makes this transition unique, e.g. the job's uid and the phase) the Event's
+    name is derived from it, so a handler retried or rerun after a crash finds its Event already
+    there (409) instead of posting a second one: each transition is announced exactly once.
+    """
+    meta = obj["metadata"]
+    digest = hashlib.sha256(f"{meta.get('uid')}/{reason}/{key}".encode()).hexdigest()[:16] if key else uuid.uuid4().hex[:16]
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta["name"],
+            "namespace": meta["namespace"], "uid": meta.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "gem-operator"},
+        "reportingComponent": "gem-operator",
+        "reportingInstance": os.environ.get("HOSTNAME", "gem-operator"),
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        core().create_namespaced_event(meta["namespace"], event, _request_timeout=_timeout())
+    except ApiException as e:
+        if e.status != 409 or _reason_code(e) != "AlreadyExists":
+            raise
+
+
+def _status_body(e: ApiException) -> dict[str, Any]:
+    try:
+        body = json.loads(e.body) if e.body else {}
+    except (TypeError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _reason_code(e: ApiException) -> str:
+    return str(_status_body(e).get("reason") or "")
+
+
+def _reason(e: ApiException) -> str:
+    """The API server's message, with each rejected field (its causes) spelled out."""
+    body = _status_body(e)
+    causes = (body.get("details") or {}).get("causes") or []
+    fields = "; ".join(f"{c.get('field', '')}: {c.get('message', '')}".strip(": ") for c in causes)
+    return fields or str(body.get("message") or e.reason or e.status)

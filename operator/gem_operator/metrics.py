@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import REGISTRY, Counter, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 RECONCILES = Counter("gem_operator_reconciles_total", "Reconciles of a resource, by kind and result.", ["kind", "result"])
+RECONCILE_SECONDS = Histogram(
+    "gem_operator_reconcile_duration_seconds",
+    "Time one reconcile of a resource took, API calls included, by kind.",
+    ["kind"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60),
+)
 TRANSITIONS = Counter("gem_operator_phase_transitions_total", "Phase changes of resources, by kind and new phase.", ["kind", "phase"])
 
 _phases: dict[str, tuple[str, str]] = {}  # uid -> (kind, phase), fed by watch events
 _lock = threading.Lock()
+
+
+def observe_reconcile(kind: str, result: str, seconds: float) -> None:
+    """One reconcile ended with `result` (ok, retry, error) after `seconds`."""
+    RECONCILES.labels(kind, result).inc()
+    RECONCILE_SECONDS.labels(kind).observe(seconds)
 
 
 def observe_phase(kind: str, uid: str, phase: str | None) -> None:
@@ -40,6 +52,11 @@ class _PhaseCollector:
 REGISTRY.register(_PhaseCollector())
 
 
+_serving = False
+
+
 def serve(port: int) -> None:
-    if port:
+    global _serving
+    if port and not _serving:  # once per process, even if the reactor is started again
         start_http_server(port)
+        _serving = True

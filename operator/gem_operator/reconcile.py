@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from gem.api import render, status as st
-from gem.api.types import KINDS, TERMINAL_PHASES, Phase
+from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, Phase
 from gem_operator import kube, metrics
 from gem_operator.settings import CONFIG
 from gem_operator.validation import InvalidSpec, parse_resource
@@ -35,20 +35,24 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+def _event(body: dict[str, Any], type_: str, reason: str, message: str, key: str) -> None:
+    """Announce a transition: exactly once per `key` (see kube.post_event), before its status is written."""
+    kube.post_event(body, type_, reason, message, key=key)
 
 
 def _set_phase(status: dict[str, Any], phase: str, message: str) -> dict[str, Any]:
     return {**status, "phase": phase, "message": message}
 
 
-def mark_invalid(kind: str, body: dict[str, Any], message: str, logger: logging.Logger) -> dict[str, Any]:
+def mark_invalid(
+    kind: str, body: dict[str, Any], message: str, logger: logging.Logger, reason: str = "InvalidSpec"
+) -> dict[str, Any]:
     """The status of a resource whose spec cannot run; the operator keeps serving the others."""
-    logger.warning("invalid spec: %s", message)
-    _event(body, "Warning", "InvalidSpec", message)
     status = dict(body.get("status") or {})
-    status["conditions"] = st.set_condition(status.get("conditions", []), "Valid", "False", "InvalidSpec", message)
+    if (st.get_condition(status, "Valid") or {}).get("message") != message:  # once per distinct problem
+        logger.warning("invalid spec: %s", message)
+        _event(body, "Warning", reason, message, key=f"{body['metadata'].get('generation')}/{message}")
+    status["conditions"] = st.set_condition(status.get("conditions", []), "Valid", "False", reason, message)
     status["observedGeneration"] = body["metadata"].get("generation")
     return _set_phase(status, Phase.invalid.value, message)
 
@@ -95,44 +99,75 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
             f"waiting for teacher GEMTraining {ns}/{ref} to succeed (now {phase or 'Pending'})",
         )
     pspec = (parent.get("spec") or {}).get("checkpoint") or {}
-    return render.TeacherMount(
-        checkpoint=pstatus["latestCheckpoint"],
-        claim_name=pspec.get("claimName"),
-        mount_path=pspec.get("path"),
-    )
+    return _teacher_mount(obj, pstatus["latestCheckpoint"], pspec.get("claimName"), pspec.get("path"))
+
+
+#: Where a teacher's checkpoint claim is mounted when its own path would collide with the
+#: student's volumes (say both use the default /var/lib/gem/checkpoints on different claims).
+TEACHER_MOUNT_PATH = "/var/lib/gem/teacher"
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def _teacher_mount(obj: Any, checkpoint: str, claim: str | None, path: str | None) -> render.TeacherMount:
+    """The teacher's claim mounted read-only at its own path, or at TEACHER_MOUNT_PATH (with the
+    checkpoint path rewritten) when that path is taken by one of the student's mounts."""
+    spec = obj.spec
+    if not claim or not path or (claim == spec.checkpoint.claim_name and path == spec.checkpoint.path):
+        return render.TeacherMount(checkpoint=checkpoint, claim_name=claim, mount_path=path)
+    taken = (spec.checkpoint.path, CONFIG_MOUNT_PATH, "/dev/shm")
+    if any(_overlaps(path, t) for t in taken) and _overlaps(checkpoint, path):
+        rest = checkpoint.rstrip("/")[len(path.rstrip("/")):].lstrip("/")
+        checkpoint = f"{TEACHER_MOUNT_PATH}/{rest}" if rest else TEACHER_MOUNT_PATH
+        path = TEACHER_MOUNT_PATH
+    return render.TeacherMount(checkpoint=checkpoint, claim_name=claim, mount_path=path)
 
 
 def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
     """Bring the children of one resource in line with its spec. Returns the status to merge.
 
-    Raises kopf.TemporaryError to be called again later (teacher not ready, API trouble).
+    Level-triggered and idempotent: the handlers and the resync timer all call it, any number of
+    times, from any state. Raises kopf.TemporaryError to be called again later (teacher not
+    ready); API errors propagate for the handler to turn into retries.
     """
     meta = body["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    if meta.get("deletionTimestamp"):
+        return None  # going away: its children go with it (garbage collection), nothing to do
     status = dict(body.get("status") or {})
     try:
-        obj = parse_resource(kind, body)
+        obj, problem = parse_resource(kind, body), None
     except InvalidSpec as e:
-        return mark_invalid(kind, body, str(e), logger)
+        obj, problem = None, str(e)
 
     job_name = render.job_name(kind, name)
     existing = kube.get_pytorchjob(ns, job_name)
     if existing is not None and meta.get("uid") in {r.get("uid") for r in existing["metadata"].get("ownerReferences", [])}:
-        return _reconcile_running(obj, body, existing, status, logger)
+        # A job runs: an invalid edit is a rejected change like any other, the job is left alone.
+        return _reconcile_running(body, existing, status, logger, problem)
+    if obj is None:
+        return mark_invalid(kind, body, str(problem), logger)
+    if status.get("pytorchJob") and status.get("phase") not in (None, Phase.pending.value, Phase.waiting_for_teacher.value):
+        # Its job existed and is gone (deleted by hand): never run a second job for one resource.
+        return _job_vanished(body, status, job_name)
 
     teacher = None
     if kind == "LoopFMDistill":
         try:
             teacher = resolve_teacher(obj, status)
         except TeacherNotReady as e:
+            if (st.get_condition(status, "TeacherReady") or {}).get("reason") != e.reason:
+                _event(body, "Warning" if e.permanent else "Normal", e.reason, e.message, key=str(generation))
             status["conditions"] = st.set_condition(status.get("conditions", []), "TeacherReady", "False", e.reason, e.message)
             status["observedGeneration"] = generation
             if e.permanent:
-                _event(body, "Warning", e.reason, e.message)
                 return _set_phase(status, Phase.failed.value, e.message)
-            if status.get("phase") != Phase.waiting_for_teacher.value:
-                _event(body, "Normal", e.reason, e.message)
-            kube.patch_status(kind, ns, name, _set_phase(status, Phase.waiting_for_teacher.value, e.message))
+            waiting = _set_phase(status, Phase.waiting_for_teacher.value, e.message)
+            if waiting != body.get("status"):
+                kube.patch_status(kind, ns, name, waiting, meta.get("resourceVersion"))
             raise kopf.TemporaryError(e.message, delay=CONFIG.teacher_poll_seconds)
         status["conditions"] = st.set_condition(
             status.get("conditions", []), "TeacherReady", "True", "TeacherSucceeded", "teacher checkpoint resolved"
@@ -147,12 +182,14 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     )
     try:
         kube.ensure_config_map(cm)
-        _, created = kube.ensure_pytorchjob(job, meta["uid"])
+        child, created = kube.ensure_pytorchjob(job, meta["uid"])
     except kube.Conflict as e:
         raise kopf.TemporaryError(str(e), delay=5) from None
+    except kube.Rejected as e:
+        return mark_invalid(kind, body, f"the API server rejected the rendered {e}", logger, reason="JobRejected")
     if created:
         logger.info("created PyTorchJob %s/%s", ns, job_name)
-        _event(body, "Normal", "JobCreated", f"created PyTorchJob {job_name}")
+        _event(body, "Normal", "JobCreated", f"created PyTorchJob {job_name}", key=child["metadata"].get("uid", job_name))
     status["conditions"] = st.set_condition(status.get("conditions", []), "Valid", "True", "SpecValid", "spec is valid")
     status.update(pytorchJob=job_name, observedGeneration=generation)
     if status.get("phase") in (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value):
@@ -160,22 +197,50 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     return status
 
 
-def _reconcile_running(obj: Any, body: dict[str, Any], job: dict[str, Any], status: dict[str, Any], logger: logging.Logger) -> dict[str, Any]:
-    """The job exists: accept in-flight changes (suspend), reject the rest with a condition."""
+def _job_vanished(body: dict[str, Any], status: dict[str, Any], job_name: str) -> dict[str, Any]:
+    if status.get("phase") in TERMINAL_PHASES:
+        return status  # it ended, then its job was cleaned up: nothing to do
+    msg = (
+        f"PyTorchJob {job_name} was deleted while the {body.get('kind')} was {status.get('phase')}; "
+        "the operator never starts a second job for one resource: delete and recreate the resource to train again"
+    )
+    _event(body, "Warning", "JobDeleted", msg, key=job_name)
+    status["conditions"] = st.set_condition(status.get("conditions", []), "Failed", "True", "JobDeleted", msg)
+    return _set_phase(status, Phase.failed.value, msg)
+
+
+def _reconcile_running(
+    body: dict[str, Any], job: dict[str, Any], status: dict[str, Any], logger: logging.Logger, problem: str | None = None
+) -> dict[str, Any]:
+    """The job exists: accept in-flight changes (suspend), reject the rest with a condition.
+
+    `problem` says why the current spec does not even parse; the job keeps the spec it has.
+    """
     meta = body["metadata"]
+    spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+    if not status.get("pytorchJob"):
+        # Created by an operator that died before it could record it.
+        _event(body, "Normal", "JobCreated", f"created PyTorchJob {job['metadata']['name']}", key=job["metadata"]["uid"])
     applied = job["metadata"].get("annotations", {}).get(ANNOTATION_SPEC_HASH)
     conds = status.get("conditions", [])
-    if applied and applied != spec_hash(body["spec"]):
+    if problem is None:
+        conds = st.set_condition(conds, "Valid", "True", "SpecValid", "spec is valid")
+    if body.get("kind") == "LoopFMDistill":  # a job exists only once its teacher was resolved
+        conds = st.set_condition(conds, "TeacherReady", "True", "TeacherSucceeded", "teacher checkpoint resolved")
+    if problem is not None or (applied and applied != spec_hash(spec)):
         msg = (
             "only spec.suspend may change while a job exists; other changes are ignored. "
             "Revert them, or create a new resource to train with the new spec"
         )
-        if (st.get_condition(status, "SpecChangeAccepted") or {}).get("status") != "False":
-            _event(body, "Warning", "SpecChangeRejected", msg)
-        conds = st.set_condition(conds, "SpecChangeAccepted", "False", "ImmutableFieldChanged", msg)
+        if problem is not None:
+            msg = f"the edited spec is invalid ({problem}); {msg}"
+        if (st.get_condition(status, "SpecChangeAccepted") or {}).get("message") != msg:
+            _event(body, "Warning", "SpecChangeRejected", msg, key=f"{meta.get('generation')}/{msg}")
+        reason = "InvalidSpec" if problem is not None else "ImmutableFieldChanged"
+        conds = st.set_condition(conds, "SpecChangeAccepted", "False", reason, msg)
     elif st.get_condition(status, "SpecChangeAccepted"):
         conds = st.set_condition(conds, "SpecChangeAccepted", "True", "SpecMatchesJob", "spec matches the running job")
-    want = str(bool(obj.spec.suspend)).lower()
+    want = "true" if spec.get("suspend") is True else "false"
     requested = job["metadata"].get("annotations", {}).get(ANNOTATION_REQUESTED_SUSPEND)
     if requested != want and not (job.get("status") or {}).get("completionTime"):
         kube.patch_pytorchjob(
@@ -186,7 +251,8 @@ def _reconcile_running(obj: Any, body: dict[str, Any], job: dict[str, Any], stat
                 "spec": {"runPolicy": {"suspend": want == "true"}},
             },
         )
-        _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set runPolicy.suspend={want} on the PyTorchJob")
+        _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set runPolicy.suspend={want} on the PyTorchJob",
+               key=f"{meta.get('generation')}/{want}")
         logger.info("set suspend=%s on %s", want, job["metadata"]["name"])
     status = {**status, "conditions": conds, "pytorchJob": job["metadata"]["name"], "observedGeneration": meta.get("generation")}
     return {**status, **mirror_job(status, job, body, logger)}
@@ -207,16 +273,18 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         out["completionTime"] = job_status["completionTime"]
 
     phase, cond = st.phase_from_job(job_status)
-    if phase is None or status.get("phase") == Phase.invalid.value:
+    if phase is None:
         return out
     message = (cond or {}).get("message", "")
     if phase in TERMINAL_PHASES:
-        ns = job["metadata"]["namespace"]
-        report = st.master_report(kube.list_job_pods(ns, job["metadata"]["name"]))
-        if report:
-            out.update(st.apply_report({}, report))
-            if report.get("error"):
-                message = f"trainer failed: {report['error']}"
+        if status.get("phase") == phase and (status.get("metrics") or status.get("message", "").startswith("trainer failed")):
+            message = status.get("message", message)  # the report was applied already: no pod listing
+        else:
+            report = st.master_report(kube.list_job_pods(job["metadata"]["namespace"], job["metadata"]["name"]))
+            if report:
+                out.update(st.apply_report({}, report))
+                if report.get("error"):
+                    message = f"trainer failed: {report['error']}"
         if phase == Phase.succeeded.value and "metrics" not in out and "metrics" in status:
             out["metrics"] = status["metrics"]
     mlflow = out.get("mlflow") or status.get("mlflow")
@@ -225,7 +293,8 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         out["mlflow"] = mlflow
     if status.get("phase") != phase:
         kind = parent.get("kind", "")
-        _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}")
+        _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}",
+               key=f"{job['metadata'].get('uid')}/{(cond or {}).get('lastTransitionTime')}")
         logger.info("phase %s -> %s", status.get("phase"), phase)
         metrics.TRANSITIONS.labels(kind, phase).inc()
     out["phase"], out["message"] = phase, message
@@ -233,20 +302,27 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
 
 
 def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
-    """A PyTorchJob changed: mirror it into its parent's status."""
+    """A PyTorchJob changed: bring its parent's status up to date (as a reconcile would)."""
     labels = job["metadata"].get("labels", {})
     kind = _KIND_BY_LABEL.get(labels.get(render.LABEL_KIND, ""))
     name = labels.get(render.LABEL_NAME)
     ns = job["metadata"].get("namespace")
-    if not kind or not name:
-        return
+    if not kind or not name or not (job.get("status") or {}).get("conditions"):
+        return  # not ours, or nothing to mirror yet (the create handler wrote the first status)
     parent = kube.get_resource(kind, ns, name)
     if parent is None or parent["metadata"].get("uid") not in {r.get("uid") for r in job["metadata"].get("ownerReferences", [])}:
         return
+    try:
+        parse_resource(kind, parent)
+        problem = None
+    except InvalidSpec as e:
+        problem = str(e)
+    # The same status a reconcile computes (not just the mirrored part): every writer writes all
+    # of it, so whichever write lands last, nothing another one added is missing.
     status = dict(parent.get("status") or {})
-    new = {**status, **mirror_job(status, job, parent, logger)}
+    new = _reconcile_running(parent, job, status, logger, problem)
     if new != status:
-        kube.patch_status(kind, ns, name, new)
+        kube.patch_status(kind, ns, name, new, parent["metadata"].get("resourceVersion"))
 
 
 # The trainer's structured progress line (gem/train/trainer.py, docs/trainer.md):
@@ -263,12 +339,9 @@ def progress_from_log(text: str | None) -> dict[str, int] | None:
     return {"step": step, "totalSteps": total, "percent": min(100, int(100 * step / total)) if total else 0}
 
 
-def sync_progress(kind: str, body: dict[str, Any]) -> None:
-    """Copy the running trainer's progress from its master pod's log tail into status.progress."""
-    status = body.get("status") or {}
-    if status.get("phase") != Phase.running.value:
-        return
-    ns, job_name = body["metadata"]["namespace"], status["pytorchJob"]
-    progress = progress_from_log(kube.pod_log_tail(ns, f"{job_name}-master-0"))
-    if progress and progress != status.get("progress"):
-        kube.patch_status(kind, ns, body["metadata"]["name"], {"progress": progress})
+def running_progress(namespace: str, status: dict[str, Any]) -> dict[str, int] | None:
+    """The running trainer's progress from its master pod's log tail, if it moved."""
+    if status.get("phase") != Phase.running.value or not status.get("pytorchJob"):
+        return None
+    progress = progress_from_log(kube.pod_log_tail(namespace, f"{status['pytorchJob']}-master-0"))
+    return progress if progress and progress != status.get("progress") else None

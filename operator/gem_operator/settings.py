@@ -30,6 +30,14 @@ class OperatorConfig:
     peering_lifetime: int = 60
     #: Port of the Prometheus /metrics endpoint (0: off).
     metrics_port: int = 0
+    #: Seconds any single API request may take (kopf's and the operator's own) before it is
+    #: abandoned and retried: a hung connection never blocks a handler thread for good.
+    api_timeout_seconds: float = 30.0
+    #: Longest delay (seconds) between retries of a reconcile that hit a transient API error;
+    #: retries start at 1 s and double up to this.
+    retry_max_seconds: float = 30.0
+    #: Serve the readiness probe here (e.g. http://0.0.0.0:8081/readyz); None: no readiness endpoint.
+    readiness_url: str | None = None
     namespaces: tuple[str, ...] = field(default_factory=tuple)
 
     def platform_defaults(self) -> render.PlatformDefaults:
@@ -53,6 +61,10 @@ class OperatorConfig:
             kueue_queue_label=os.environ.get("GEM_KUEUE_QUEUE_LABEL") or "kueue.x-k8s.io/queue-name",
             metrics_port=int(os.environ.get("GEM_METRICS_PORT") or 0),
             peering_lifetime=int(os.environ.get("GEM_PEERING_LIFETIME") or 60),
+            api_timeout_seconds=float(os.environ.get("GEM_API_TIMEOUT_SECONDS") or 30),
+            retry_max_seconds=float(os.environ.get("GEM_RETRY_MAX_SECONDS") or 30),
+            readiness_url=os.environ.get("GEM_READINESS_URL") or None,
+            namespaces=tuple(n for n in (os.environ.get("GEM_WATCH_NAMESPACES") or "").split(",") if n),
         )
 
 

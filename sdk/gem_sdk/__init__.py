@@ -10,7 +10,7 @@
 Importing it never imports torch.
 """
 
-from gem.api.types import TERMINAL_PHASES, GEMTraining, LoopFMDistill, Phase
+from gem.api.types import TERMINAL_PHASES, Condition, GEMTraining, LoopFMDistill, Phase
 from gem_sdk._client import GEMClient
 from gem_sdk._exceptions import (
     AlreadyExistsError,
@@ -25,9 +25,12 @@ from gem_sdk._exceptions import (
 from gem_sdk._types import (
     KubernetesBackendConfig,
     LocalBackendConfig,
+    MetricPoint,
     ObjectInput,
     Ref,
+    ReplicaPod,
     Resource,
+    Until,
     resolve_kind,
 )
 
@@ -37,6 +40,7 @@ __all__ = [
     "TERMINAL_PHASES",
     "AlreadyExistsError",
     "BackendError",
+    "Condition",
     "FieldError",
     "GEMClient",
     "GEMError",
@@ -45,11 +49,14 @@ __all__ = [
     "KubernetesBackendConfig",
     "LocalBackendConfig",
     "LoopFMDistill",
+    "MetricPoint",
     "NotFoundError",
     "ObjectInput",
     "Phase",
     "Ref",
+    "ReplicaPod",
     "Resource",
+    "Until",
     "ValidationError",
     "WaitTimeoutError",
     "resolve_kind",

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from gem.api.types import Condition, Phase
+from gem_sdk._objects import phase_of, pod_name
 from gem_sdk._types import (
+    FAILED_PHASES,
     TERMINAL_PHASES,
     KubernetesBackendConfig,
     LocalBackendConfig,
+    MetricPoint,
     ObjectInput,
     Ref,
+    ReplicaPod,
     Resource,
+    Until,
 )
 from gem_sdk.backends.base import Backend
 
@@ -136,7 +144,8 @@ class GEMClient:
         kind: str | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
-        until: Iterable[str] = TERMINAL_PHASES,
+        until: Until = TERMINAL_PHASES,
+        callback: Callable[[Resource], None] | None = None,
     ) -> Resource:
         """Block until the job reaches a phase in `until`, or any terminal phase.
 
@@ -148,8 +157,11 @@ class GEMClient:
             kind: Default: the object's kind, else GEMTraining.
             namespace: Default: the object's, else the backend's.
             timeout: Seconds to wait at most. Default: forever.
-            until: Phases that end the wait (names or `Phase` values). Default: Succeeded,
+            until: Phases that end the wait (names or `Phase` values), or a predicate on the
+                object, e.g. `lambda job: job.status.progress.percent >= 50`. Default: Succeeded,
                 Failed, Invalid. A terminal phase always ends it.
+            callback: Called with the object each time a new version of it is seen (the first
+                one included), e.g. to show progress.
 
         Returns:
             The typed object in its final state.
@@ -162,7 +174,7 @@ class GEMClient:
             NotFoundError: no such job, or it was deleted while waiting.
             BackendError: the API or the local runtime failed.
         """
-        return self.backend.wait(name, kind=kind, namespace=namespace, timeout=timeout, until=until)
+        return self.backend.wait(name, kind=kind, namespace=namespace, timeout=timeout, until=until, callback=callback)
 
     def logs(
         self,
@@ -216,3 +228,281 @@ class GEMClient:
             BackendError: the API or the local runtime failed.
         """
         return self.backend.delete(name, kind=kind, namespace=namespace)
+
+    # ------------------------------------------------------------------ in-flight changes
+
+    def update(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        suspend: bool | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Resource:
+        """Change what may change while a job exists: `spec.suspend`, labels and annotations.
+
+        Every other spec field is fixed once submitted (the operator answers a change with the
+        condition `SpecChangeAccepted=False`): delete and submit again to train with another spec.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+            suspend: True suspends the job, False resumes it (see `suspend`, `resume`).
+            labels: Labels to set; a None value removes the label.
+            annotations: Annotations to set; a None value removes the annotation.
+
+        Returns:
+            The object after the change.
+
+        Raises:
+            NotFoundError: no such job.
+            ValidationError: suspending or resuming a job that has ended.
+            BackendError: the API or the local runtime failed.
+        """
+        return self.backend.update(
+            name, kind=kind, namespace=namespace, suspend=suspend, labels=labels, annotations=annotations
+        )
+
+    def suspend(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        """Suspend a job: its pods (or local processes) are stopped; its checkpoints are kept.
+
+        On Kubernetes this sets `spec.suspend`; the operator sets the PyTorchJob's
+        `runPolicy.suspend` and the training operator deletes the pods: wait for it with
+        `wait(name, until="Suspended")`. Locally it returns once the processes have stopped.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+
+        Returns:
+            The object after the change.
+
+        Raises:
+            NotFoundError: no such job.
+            ValidationError: the job has already ended.
+            BackendError: the API or the local runtime failed.
+        """
+        return self.backend.update(name, kind=kind, namespace=namespace, suspend=True)
+
+    def resume(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> Resource:
+        """Resume a suspended job: its pods start again and the trainer continues from its latest
+        complete checkpoint.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+
+        Returns:
+            The object after the change (it may still say Suspended for a moment).
+
+        Raises:
+            NotFoundError: no such job.
+            ValidationError: the job has already ended.
+            BackendError: the API or the local runtime failed.
+        """
+        return self.backend.update(name, kind=kind, namespace=namespace, suspend=False)
+
+    # ------------------------------------------------------------------ conditions
+
+    def get_conditions(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> list[Condition]:
+        """The job's conditions (Valid, TeacherReady, Created, Running, Suspended, Succeeded, ...).
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+
+        Returns:
+            Its conditions, each with type, status, reason, message and lastTransitionTime
+            (empty before the operator has seen the job).
+
+        Raises:
+            NotFoundError: no such job.
+            BackendError: the API or the local runtime failed.
+        """
+        obj = self.get(name, kind=kind, namespace=namespace)
+        return list(obj.status.conditions) if obj.status else []
+
+    def _phase(self, name: Ref, kind: str | None, namespace: str | None) -> str | None:
+        return phase_of(self.get(name, kind=kind, namespace=namespace))
+
+    def is_created(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job's PyTorchJob exists (it is past Pending, WaitingForTeacher and Invalid)."""
+        return self._phase(name, kind, namespace) not in (None, Phase.pending.value, Phase.waiting_for_teacher.value,
+                                                          Phase.invalid.value)
+
+    def is_running(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job is in phase Running."""
+        return self._phase(name, kind, namespace) == Phase.running.value
+
+    def is_restarting(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job is in phase Restarting (its gang restarts from the latest checkpoint)."""
+        return self._phase(name, kind, namespace) == Phase.restarting.value
+
+    def is_suspended(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job is in phase Suspended."""
+        return self._phase(name, kind, namespace) == Phase.suspended.value
+
+    def is_succeeded(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job is in phase Succeeded."""
+        return self._phase(name, kind, namespace) == Phase.succeeded.value
+
+    def is_failed(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> bool:
+        """Whether the job is in phase Failed or Invalid (see `wait`'s JobFailedError for why)."""
+        return self._phase(name, kind, namespace) in FAILED_PHASES
+
+    # ------------------------------------------------------------------ pods, logs, metrics
+
+    def pods(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str | None = None,
+        index: int | None = None,
+    ) -> list[ReplicaPod]:
+        """The job's pods that exist now: master first, then workers by index.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+            replica: Only `master` or only `worker` pods.
+            index: Only the pod of this replica index.
+
+        Returns:
+            One ReplicaPod each (name, replica type, index, phase, restarts, exit code, message);
+            empty before the pods exist, while suspended, or after a cleanPodPolicy removed them.
+
+        Raises:
+            NotFoundError: no such job.
+            ValidationError: bad replica or index.
+            BackendError: the API or the local runtime failed.
+        """
+        return self.backend.pods(name, kind=kind, namespace=namespace, replica=replica, index=index)
+
+    def pod_names(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str | None = None,
+        index: int | None = None,
+    ) -> list[str]:
+        """The names of `pods(...)`, e.g. `["quick-train-master-0", "quick-train-worker-0"]`."""
+        return [p.name for p in self.pods(name, kind=kind, namespace=namespace, replica=replica, index=index)]
+
+    def all_logs(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        follow: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[tuple[str, str]]:
+        """The logs of every replica (master, then workers), each line with its pod's name.
+
+        Without `follow`, each pod's log is read in turn; with it, the replicas are streamed at
+        once and their lines interleaved as they come, until every container has exited.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+            follow: Stream until the pods exit.
+            timeout: Seconds to wait at most for each pod to start (see `logs`).
+
+        Returns:
+            An iterator of (pod name, line).
+
+        Raises:
+            NotFoundError: no such job, or it ended without one of its pods.
+            WaitTimeoutError: a pod did not start within `timeout`.
+            BackendError: the API or the local runtime failed.
+        """
+        obj = self.get(name, kind=kind, namespace=namespace)
+        replicas = [("master", 0)] + [("worker", i) for i in range(obj.spec.parallelism.num_nodes - 1)]
+        ref = {"kind": obj.kind, "namespace": obj.metadata.namespace}
+        if not follow:
+            for replica, index in replicas:
+                pod = pod_name(obj.kind, obj.metadata.name, replica, index)
+                for line in self.logs(obj, **ref, replica=replica, index=index, timeout=timeout):
+                    yield pod, line
+            return
+        yield from _interleave(
+            [(pod_name(obj.kind, obj.metadata.name, r, i),
+              lambda r=r, i=i: self.logs(obj, **ref, replica=r, index=i, follow=True, timeout=timeout))
+             for r, i in replicas]
+        )
+
+    def metrics(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> dict[str, list[MetricPoint]]:
+        """The history of the job's metrics from its MLflow run (loss, lr, eval NE/AUC per task, ...).
+
+        The run is `status.mlflow.runId` once the trainer reported it, else the run the trainer
+        tagged with the job's uid when it started. The tracking URI is the backend config's
+        `mlflow_tracking_uri`, else the job's `spec.mlflow.trackingUri`, else
+        `$MLFLOW_TRACKING_URI` (locally: the URI the job was started with). Needs `mlflow`.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+            keys: Metric keys to read, e.g. `["loss", "ne/click"]`. Default: every metric of the run.
+
+        Returns:
+            {key: [MetricPoint(step, value, timestamp), ...]} ordered by step.
+
+        Raises:
+            NotFoundError: no such job, or it has no MLflow run yet.
+            ValidationError: the job does not log to MLflow, or no tracking URI is known.
+            BackendError: mlflow is not installed or the tracking server failed.
+        """
+        return self.backend.metrics(name, kind=kind, namespace=namespace, keys=keys)
+
+
+def _interleave(sources: list[tuple[str, Callable[[], Iterator[str]]]]) -> Iterator[tuple[str, str]]:
+    """Lines of several streams, each read by its own thread, in the order they arrive.
+
+    An error of any stream is raised once the others are done with what they had.
+    """
+    lines: queue.Queue = queue.Queue(maxsize=1000)
+    done = object()
+
+    def pump(pod: str, open_stream: Callable[[], Iterator[str]]) -> None:
+        try:
+            for line in open_stream():
+                lines.put((pod, line))
+        except BaseException as e:  # handed to the consumer
+            lines.put((pod, e))
+        finally:
+            lines.put((pod, done))
+
+    threads = [threading.Thread(target=pump, args=src, daemon=True, name=f"logs-{src[0]}") for src in sources]
+    for t in threads:
+        t.start()
+    open_streams, error = len(threads), None
+    while open_streams:
+        pod, item = lines.get()
+        if item is done:
+            open_streams -= 1
+        elif isinstance(item, BaseException):
+            error = error or item
+        else:
+            yield pod, item
+    if error is not None:
+        raise error

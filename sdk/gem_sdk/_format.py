@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from typing import Any
 
 import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 
-from gem_sdk._types import Resource
+from gem_sdk._types import MetricPoint, ReplicaPod, Resource
 
-__all__ = ["age", "metrics_table", "objects_table", "to_json", "to_yaml"]
+__all__ = [
+    "ProgressReporter",
+    "age",
+    "history_table",
+    "history_to_wire",
+    "metrics_table",
+    "objects_table",
+    "pods_table",
+    "pods_to_wire",
+    "to_json",
+    "to_yaml",
+]
 
 
 def age(timestamp: str | None, now: dt.datetime | None = None) -> str:
@@ -106,3 +120,95 @@ def to_yaml(objs: list[Resource], *, single: bool) -> str:
 
 def to_json(objs: list[Resource], *, single: bool) -> str:
     return json.dumps(_wire(objs, single), indent=2)
+
+
+# --------------------------------------------------------------------------- pods
+
+
+def pods_table(pods: list[ReplicaPod]) -> Table:
+    """NAME, REPLICA, INDEX, PHASE, RESTARTS, EXIT, AGE (since the container started)."""
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 3, 0, 0))
+    for col in ("NAME", "REPLICA", "INDEX", "PHASE", "RESTARTS", "EXIT", "AGE"):
+        table.add_column(col, no_wrap=True)
+    for p in pods:
+        started = (p.started_at or "").split(".")[0].rstrip("Z") + "Z" if p.started_at else None
+        table.add_row(p.name, p.replica_type, str(p.index), p.phase, str(p.restart_count),
+                      "-" if p.exit_code is None else str(p.exit_code), age(started) if started else "-")
+    return table
+
+
+def pods_to_wire(pods: list[ReplicaPod]) -> list[dict[str, Any]]:
+    """camelCase dicts, for -o yaml|json."""
+    out = []
+    for p in pods:
+        d = dataclasses.asdict(p)
+        out.append({"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v for k, v in d.items()})
+    return out
+
+
+# --------------------------------------------------------------------------- metric history
+
+
+def history_table(history: dict[str, list[MetricPoint]], title: str) -> Table:
+    """One row per metric: POINTS, LAST STEP, LAST, MIN, MAX."""
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("METRIC", "POINTS", "LAST STEP", "LAST", "MIN", "MAX"):
+        table.add_column(col, justify="left" if col == "METRIC" else "right")
+    for key, points in history.items():
+        if not points:
+            table.add_row(key, "0", "-", "-", "-", "-")
+            continue
+        values = [p.value for p in points]
+        table.add_row(key, str(len(points)), str(points[-1].step), _num(values[-1]), _num(min(values)), _num(max(values)))
+    return table
+
+
+def history_to_wire(history: dict[str, list[MetricPoint]]) -> dict[str, list[dict[str, Any]]]:
+    return {k: [{"step": p.step, "value": p.value, "timestamp": p.timestamp} for p in v] for k, v in history.items()}
+
+
+# --------------------------------------------------------------------------- progress while waiting
+
+
+class ProgressReporter:
+    """Shows a job's phase and progress while `gemctl` waits: a live bar on a terminal, else one
+    line per change (so CI logs show it too). Feed it `update(obj)` (GEMClient.wait's callback)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live = console.is_terminal
+        self._last: tuple[Any, ...] | None = None
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    @staticmethod
+    def _describe(obj: Resource) -> tuple[str, int | None, int | None]:
+        status = obj.status
+        phase = (status.phase if status and status.phase else "Pending")
+        progress = status.progress if status else None
+        if progress and progress.total_steps:
+            return phase, progress.step, progress.total_steps
+        return phase, None, None
+
+    def update(self, obj: Resource) -> None:
+        phase, step, total = self._describe(obj)
+        if (phase, step, total) == self._last:
+            return
+        self._last = (phase, step, total)
+        what = f"{obj.kind.lower()}.gem.dev/{obj.metadata.name}"
+        if not self.live:
+            done = f" {step}/{total} steps ({int(100 * step / total)}%)" if step is not None and total else ""
+            self.console.print(f"{what} {phase}{done}", markup=False, highlight=False)
+            return
+        if self._progress is None:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                      TextColumn("{task.fields[steps]}"), console=self.console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(what, total=total or 100, steps="")
+        self._progress.update(self._task, description=f"{what} {phase}", total=total or 100,
+                              completed=step or 0, steps=f"{step}/{total} steps" if total else "")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

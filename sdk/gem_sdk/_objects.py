@@ -6,13 +6,14 @@ import difflib
 import os
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pydantic
 import yaml
 
-from gem.api.render import job_name
+from gem.api.render import CONTAINER_NAME, job_name
 from gem.api.types import API_VERSION, KINDS, JobStatus, Phase, parse_object
 from gem_sdk._exceptions import (
     BackendError,
@@ -21,7 +22,12 @@ from gem_sdk._exceptions import (
     ValidationError,
     describe,
 )
-from gem_sdk._types import FAILED_PHASES, TERMINAL_PHASES, ObjectInput, Ref, Resource, resolve_kind
+from gem_sdk._types import FAILED_PHASES, TERMINAL_PHASES, ObjectInput, Ref, ReplicaPod, Resource, resolve_kind
+
+#: The training operator's pod labels.
+LABEL_JOB_NAME = "training.kubeflow.org/job-name"
+LABEL_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
 
 #: Metadata the API server owns; dropped from an object before it is submitted.
 _SERVER_METADATA = ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields", "selfLink")
@@ -275,8 +281,8 @@ def failure_of(obj: Resource) -> tuple[str, str]:
     return str(status.phase), status.message or ""
 
 
-def wait_done(obj: Resource, until: frozenset[str]) -> bool:
-    """Whether `wait` is over: a phase in `until` or any terminal phase is reached.
+def wait_done(obj: Resource, until: frozenset[str] | Callable[[Resource], bool]) -> bool:
+    """Whether `wait` is over: a phase in `until` (or `until(obj)` is true), or any terminal phase.
 
     Raises:
         JobFailedError: the phase is Failed or Invalid.
@@ -288,13 +294,18 @@ def wait_done(obj: Resource, until: frozenset[str]) -> bool:
             phase=phase, reason=reason, detail=message, object=obj,
             kind=obj.kind, namespace=obj.metadata.namespace, name=obj.metadata.name,
         )
+    if callable(until):
+        return bool(until(obj)) or phase in TERMINAL_PHASES
     return phase in until or phase in TERMINAL_PHASES
 
 
-def normalize_until(until: Any) -> frozenset[str]:
-    """`until` as a set of phase names (accepts Phase values, strings, one or many)."""
+def normalize_until(until: Any) -> frozenset[str] | Callable[[Resource], bool]:
+    """`until` as a set of phase names (accepts Phase values, strings, one or many), or the
+    predicate it is."""
     if until is None:
         return TERMINAL_PHASES
+    if callable(until) and not isinstance(until, (str, Phase)):
+        return until
     if isinstance(until, (str, Phase)):
         until = [until]
     phases = frozenset(p.value if isinstance(p, Phase) else str(p) for p in until)
@@ -303,6 +314,77 @@ def normalize_until(until: Any) -> frozenset[str]:
     if bad:
         raise ValidationError(f"unknown phase(s) {', '.join(bad)} in until: use {', '.join(sorted(known))}")
     return phases
+
+
+def describe_until(until: frozenset[str] | Callable[[Resource], bool]) -> str:
+    """For messages: `Running/Succeeded`, or the predicate's name."""
+    if callable(until):
+        return f"{getattr(until, '__name__', 'the condition')}()"
+    return "/".join(sorted(until))
+
+
+def check_suspendable(obj: Resource, suspend: bool) -> None:
+    """Suspending or resuming a job that has ended is a mistake worth saying.
+
+    Raises:
+        ValidationError: the job has Succeeded, Failed or is Invalid.
+    """
+    phase = phase_of(obj)
+    if phase in TERMINAL_PHASES and bool(obj.spec.suspend) != suspend:
+        raise ValidationError(
+            f"{describe(obj.kind, obj.metadata.namespace, obj.metadata.name)} has ended ({phase}): there is nothing to "
+            f"{'suspend' if suspend else 'resume'}; submit it again under a new name to train again",
+            kind=obj.kind, namespace=obj.metadata.namespace, name=obj.metadata.name,
+        )
+
+
+def has_condition(obj: Resource, type_: str, status: str = "True") -> bool:
+    """Whether the object has a condition of `type_` with `status`."""
+    return any(c.type == type_ and c.status == status for c in (obj.status.conditions if obj.status else []))
+
+
+def pod_from_wire(pod: dict[str, Any]) -> ReplicaPod:
+    """A Pod (raw JSON, or the local backend's Pod-like dict) as a ReplicaPod."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = pod.get("status") or {}
+    cs = next((c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
+              (status.get("containerStatuses") or [{}])[0])
+    state = cs.get("state") or {}
+    terminated = state.get("terminated") or {}
+    started = (state.get("running") or {}).get("startedAt") or terminated.get("startedAt")
+    return ReplicaPod(
+        name=meta.get("name", ""),
+        replica_type=str(labels.get(LABEL_REPLICA_TYPE, "")).lower(),
+        index=int(labels.get(LABEL_REPLICA_INDEX) or 0),
+        phase=status.get("phase") or "Unknown",
+        restart_count=int(cs.get("restartCount") or 0),
+        started_at=started,
+        exit_code=terminated.get("exitCode"),
+        message=terminated.get("message") or None,
+    )
+
+
+def pod_order(pod: ReplicaPod) -> tuple[int, int, str]:
+    return (0 if pod.replica_type == "master" else 1, pod.index, pod.name)
+
+
+def pod_selector(kind: str, name: str, replica: str | None, index: int | None) -> str:
+    """The label selector of a job's pods (the training operator's labels).
+
+    Raises:
+        ValidationError: replica is not master/worker, or the index is negative.
+    """
+    selector = f"{LABEL_JOB_NAME}={job_name(kind, name)}"
+    if replica is not None:
+        if replica.lower() not in ("master", "worker"):
+            raise ValidationError(f"replica must be master or worker, got {replica!r}")
+        selector += f",{LABEL_REPLICA_TYPE}={replica.lower()}"
+    if index is not None:
+        if index < 0:
+            raise ValidationError(f"index must be >= 0, got {index}")
+        selector += f",{LABEL_REPLICA_INDEX}={index}"
+    return selector
 
 
 # --------------------------------------------------------------------------- label selectors

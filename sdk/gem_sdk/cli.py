@@ -13,6 +13,7 @@ Exit codes (stable, for scripts):
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections.abc import Iterator
 from enum import Enum
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import yaml
 from rich.console import Console
 
 from gem_sdk._client import GEMClient
@@ -30,7 +32,17 @@ from gem_sdk._exceptions import (
     ValidationError,
     WaitTimeoutError,
 )
-from gem_sdk._format import metrics_table, objects_table, to_json, to_yaml
+from gem_sdk._format import (
+    ProgressReporter,
+    history_table,
+    history_to_wire,
+    metrics_table,
+    objects_table,
+    pods_table,
+    pods_to_wire,
+    to_json,
+    to_yaml,
+)
 from gem_sdk._objects import load_documents
 from gem_sdk._types import KubernetesBackendConfig, LocalBackendConfig, Resource, resolve_kind
 
@@ -72,14 +84,21 @@ ContextOpt = Annotated[Optional[str], typer.Option("--context", help="kubeconfig
 NamespaceOpt = Annotated[Optional[str], typer.Option("-n", "--namespace", help="Namespace (default: the context's, or 'default').")]
 OutputOpt = Annotated[Output, typer.Option("-o", "--output", help="Output format.")]
 TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most (default: forever).")]
+ProgressOpt = Annotated[
+    Optional[bool],
+    typer.Option("--progress/--no-progress", help="Show the phase and progress on stderr while waiting "
+                 "(default: a live bar on a terminal, a line per change otherwise).", show_default=False),
+]
 
 
-def _client(local: bool, kubeconfig: str | None, context: str | None, namespace: str | None) -> GEMClient:
+def _client(local: bool, kubeconfig: str | None, context: str | None, namespace: str | None,
+            mlflow_tracking_uri: str | None = None) -> GEMClient:
+    extra = {"mlflow_tracking_uri": mlflow_tracking_uri} if mlflow_tracking_uri else {}
     if local:
         if kubeconfig or context:
             raise ValidationError("--local runs jobs on this machine: drop --kubeconfig/--context")
-        return GEMClient(LocalBackendConfig(**({"namespace": namespace} if namespace else {})))
-    return GEMClient(KubernetesBackendConfig(kubeconfig=kubeconfig, context=context, namespace=namespace))
+        return GEMClient(LocalBackendConfig(**({"namespace": namespace} if namespace else {}), **extra))
+    return GEMClient(KubernetesBackendConfig(kubeconfig=kubeconfig, context=context, namespace=namespace, **extra))
 
 
 def exit_code(error: BaseException) -> int:
@@ -153,6 +172,7 @@ def submit(
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
     output: OutputOpt = Output.table,
+    progress: ProgressOpt = None,
 ) -> None:
     """Create the jobs in a manifest; optionally wait for them and show their metrics."""
     with _errors():
@@ -172,13 +192,24 @@ def submit(
             if follow:
                 for line in client.logs(obj, follow=True, timeout=timeout):
                     _echo(line)
-            try:
-                final = client.wait(obj, timeout=timeout)
-            except JobFailedError as e:
-                if e.object is not None:
-                    _show_final(e.object, output)
-                raise
-            _show_final(final, output)
+            _wait_and_show(client, obj, output, progress=False if follow and progress is None else progress,
+                           timeout=timeout)
+
+
+def _wait_and_show(client: GEMClient, obj: Resource | str, output: Output, *, progress: bool | None,
+                   timeout: float | None, **kwargs: object) -> None:
+    """Wait (showing progress on stderr unless told not to), then print the final state."""
+    reporter = ProgressReporter(_console(stderr=True)) if progress is not False else None
+    try:
+        final = client.wait(obj, timeout=timeout, callback=reporter.update if reporter else None, **kwargs)  # type: ignore[arg-type]
+    except JobFailedError as e:
+        if e.object is not None:
+            _show_final(e.object, output)
+        raise
+    finally:
+        if reporter is not None:
+            reporter.close()
+    _show_final(final, output)
 
 
 @app.command()
@@ -232,19 +263,15 @@ def wait(
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
     output: OutputOpt = Output.table,
+    progress: ProgressOpt = None,
 ) -> None:
     """Wait for a job to finish (exit 1 if it failed, 4 on timeout) and show its final metrics."""
     with _errors():
         kind = resolve_kind(kind)
         client = _client(local, kubeconfig, context, namespace)
         kwargs = {"until": for_} if for_ else {}
-        try:
-            final = client.wait(name, kind=kind, namespace=namespace, timeout=timeout, **kwargs)
-        except JobFailedError as e:
-            if e.object is not None:
-                _show_final(e.object, output)
-            raise
-        _show_final(final, output)
+        _wait_and_show(client, name, output, progress=progress, timeout=timeout, kind=kind, namespace=namespace,
+                       **kwargs)
 
 
 @app.command()
@@ -254,16 +281,21 @@ def logs(
     replica: Annotated[Replica, typer.Option("--replica", help="Replica type.")] = Replica.master,
     index: Annotated[int, typer.Option("--index", help="Replica index (workers: 0..numNodes-2).")] = 0,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the pod exits.")] = False,
+    all_replicas: Annotated[bool, typer.Option("--all-replicas", help="Every replica's log, each line prefixed with [pod].")] = False,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most for the pod to start.")] = None,
     local: LocalOpt = False,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Print a trainer pod's log (the master's unless --replica/--index)."""
+    """Print a trainer pod's log (the master's unless --replica/--index, or every one with --all-replicas)."""
     with _errors():
         kind = resolve_kind(kind)
         client = _client(local, kubeconfig, context, namespace)
+        if all_replicas:
+            for pod, line in client.all_logs(name, kind=kind, namespace=namespace, follow=follow, timeout=timeout):
+                _echo(f"[{pod}] {line}")
+            return
         for line in client.logs(name, kind=kind, namespace=namespace, replica=replica.value, index=index,
                                 follow=follow, timeout=timeout):
             _echo(line)
@@ -283,6 +315,101 @@ def delete(
         kind = resolve_kind(kind)
         _client(local, kubeconfig, context, namespace).delete(name, kind=kind, namespace=namespace)
         _console().print(f'{kind.lower()}.gem.dev "{name}" deleted', markup=False)
+
+
+@app.command()
+def suspend(
+    kind: KindArg,
+    name: NameArg,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Suspend a job: its pods stop, its checkpoints stay (exit 2 if it has already ended)."""
+    with _errors():
+        kind = resolve_kind(kind)
+        obj = _client(local, kubeconfig, context, namespace).suspend(name, kind=kind, namespace=namespace)
+        _changed(obj, "suspended", output)
+
+
+@app.command()
+def resume(
+    kind: KindArg,
+    name: NameArg,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Resume a suspended job from its latest checkpoint."""
+    with _errors():
+        kind = resolve_kind(kind)
+        obj = _client(local, kubeconfig, context, namespace).resume(name, kind=kind, namespace=namespace)
+        _changed(obj, "resumed", output)
+
+
+def _changed(obj: Resource, what: str, output: Output) -> None:
+    if output is Output.table:
+        _console().print(f"{_ref(obj)} {what}", markup=False)
+    else:
+        _show([obj], output, single=True)
+
+
+@app.command()
+def pods(
+    kind: KindArg,
+    name: NameArg,
+    replica: Annotated[Optional[Replica], typer.Option("--replica", help="Only master or only worker pods.")] = None,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """List a job's pods: NAME, REPLICA, INDEX, PHASE, RESTARTS, EXIT, AGE."""
+    with _errors():
+        kind = resolve_kind(kind)
+        items = _client(local, kubeconfig, context, namespace).pods(
+            name, kind=kind, namespace=namespace, replica=replica.value if replica else None)
+        if output is Output.table:
+            if not items:
+                _console(stderr=True).print(f"No pods of {kind.lower()}.gem.dev/{name} exist now.", markup=False)
+                return
+            _console().print(pods_table(items))
+        elif output is Output.yaml:
+            sys.stdout.write(yaml.safe_dump(pods_to_wire(items), sort_keys=False))
+        else:
+            sys.stdout.write(json.dumps(pods_to_wire(items), indent=2) + "\n")
+
+
+@app.command()
+def metrics(
+    kind: KindArg,
+    name: NameArg,
+    key: Annotated[Optional[list[str]], typer.Option("-k", "--key", help="Metric to show (repeatable; default: all).")] = None,
+    mlflow_tracking_uri: Annotated[Optional[str], typer.Option(
+        "--mlflow-tracking-uri", help="MLflow to read from (default: the job's spec.mlflow.trackingUri, "
+        "then $MLFLOW_TRACKING_URI; locally the URI the job ran with).")] = None,
+    local: LocalOpt = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Show a job's metric history from MLflow (a summary table; -o yaml|json for every point)."""
+    with _errors():
+        kind = resolve_kind(kind)
+        client = _client(local, kubeconfig, context, namespace, mlflow_tracking_uri)
+        history = client.metrics(name, kind=kind, namespace=namespace, keys=key or None)
+        if output is Output.table:
+            _console().print(history_table(history, title=f"{kind} {name}: metric history"))
+        elif output is Output.yaml:
+            sys.stdout.write(yaml.safe_dump(history_to_wire(history), sort_keys=False))
+        else:
+            sys.stdout.write(json.dumps(history_to_wire(history), indent=2) + "\n")
 
 
 def main() -> None:

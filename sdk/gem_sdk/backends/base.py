@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from gem_sdk._types import TERMINAL_PHASES, ObjectInput, Ref, Resource
+from gem_sdk._types import TERMINAL_PHASES, MetricPoint, ObjectInput, Ref, ReplicaPod, Resource, Until
 
 
 class Backend(abc.ABC):
@@ -44,7 +44,8 @@ class Backend(abc.ABC):
         kind: str | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
-        until: Iterable[str] = TERMINAL_PHASES,
+        until: Until = TERMINAL_PHASES,
+        callback: Callable[[Resource], None] | None = None,
     ) -> Resource:
         """Block until a phase in `until` (or any terminal phase); raise on Failed/Invalid."""
 
@@ -61,6 +62,42 @@ class Backend(abc.ABC):
         timeout: float | None = None,
     ) -> Iterator[str]:
         """Lines of one trainer pod's log, once the pod exists."""
+
+    @abc.abstractmethod
+    def update(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        suspend: bool | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Resource:
+        """Change what may change while a job exists: spec.suspend, labels, annotations."""
+
+    @abc.abstractmethod
+    def pods(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str | None = None,
+        index: int | None = None,
+    ) -> list[ReplicaPod]:
+        """The job's pods that exist now (master first, then workers by index)."""
+
+    @abc.abstractmethod
+    def metrics(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> dict[str, list[MetricPoint]]:
+        """The history of each metric of the job's MLflow run, ordered by step."""
 
     @abc.abstractmethod
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import kubernetes
@@ -13,8 +14,31 @@ from kubernetes.client.rest import ApiException
 from gem.api.render import CONTAINER_NAME
 from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION
 from gem_sdk._exceptions import BackendError, NotFoundError, WaitTimeoutError, describe
-from gem_sdk._objects import from_wire, normalize_until, phase_of, pod_name, resolve_ref, to_model, wait_done
-from gem_sdk._types import KubernetesBackendConfig, ObjectInput, Ref, Resource, resolve_kind
+from gem_sdk._mlflow import metric_history
+from gem_sdk._objects import (
+    check_suspendable,
+    describe_until,
+    from_wire,
+    normalize_until,
+    phase_of,
+    pod_from_wire,
+    pod_name,
+    pod_order,
+    pod_selector,
+    resolve_ref,
+    to_model,
+    wait_done,
+)
+from gem_sdk._types import (
+    KubernetesBackendConfig,
+    MetricPoint,
+    ObjectInput,
+    Ref,
+    ReplicaPod,
+    Resource,
+    Until,
+    resolve_kind,
+)
 from gem_sdk.backends.base import Backend
 from gem_sdk.backends.kubernetes.utils import CONNECTION_ERRORS, api_error, iter_lines, make_api_client
 
@@ -38,6 +62,7 @@ class KubernetesBackend(Backend):
     """
 
     def __init__(self, cfg: KubernetesBackendConfig) -> None:
+        self.cfg = cfg
         self.api_client, self.default_namespace = make_api_client(cfg)
         self.custom = kubernetes.client.CustomObjectsApi(self.api_client)
         self.core = kubernetes.client.CoreV1Api(self.api_client)
@@ -106,10 +131,19 @@ class KubernetesBackend(Backend):
         kind: str | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
-        until: Iterable[str] = TERMINAL_PHASES,
+        until: Until = TERMINAL_PHASES,
+        callback: Callable[[Resource], None] | None = None,
     ) -> Resource:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         phases = normalize_until(until)
+        seen: list[str | None] = [None]
+
+        def observe(obj: Resource) -> bool:
+            if callback is not None and obj.metadata.resource_version != seen[0]:
+                seen[0] = obj.metadata.resource_version
+                callback(obj)
+            return wait_done(obj, phases)
+
         deadline = None if timeout is None else time.monotonic() + timeout
         plural, selector = _plural(kind), f"metadata.name={name}"
         ref = {"kind": kind, "namespace": ns, "name": name}
@@ -122,7 +156,7 @@ class KubernetesBackend(Backend):
             if left <= 0:
                 raise WaitTimeoutError(
                     f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
-                    f"{'/'.join(sorted(phases))} (phase {phase_of(last) if last else 'unknown'})",
+                    f"{describe_until(phases)} (phase {phase_of(last) if last else 'unknown'})",
                     object=last, **ref,
                 )
             return min(left, _WATCH_SEGMENT_S)
@@ -136,7 +170,7 @@ class KubernetesBackend(Backend):
             if not items:
                 raise NotFoundError(f"{describe(kind, ns, name)} not found", **ref)
             last = from_wire(items[0])
-            if wait_done(last, phases):
+            if observe(last):
                 return last
             rv = (listing.get("metadata") or {}).get("resourceVersion") or last.metadata.resource_version
             relist = False
@@ -157,7 +191,7 @@ class KubernetesBackend(Backend):
                         if event["type"] == "DELETED":
                             raise NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting", **ref)
                         last = from_wire(raw)
-                        if wait_done(last, phases):
+                        if observe(last):
                             return last
                         remaining()
                 except ApiException as e:
@@ -170,6 +204,63 @@ class KubernetesBackend(Backend):
                 finally:
                     w.stop()
                 # A segment that ends normally (the server's timeoutSeconds) resumes from rv.
+
+    # ------------------------------------------------------------------ update, pods, metrics
+
+    def update(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        suspend: bool | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        patch: dict[str, Any] = {}
+        if labels:
+            patch.setdefault("metadata", {})["labels"] = dict(labels)
+        if annotations:
+            patch.setdefault("metadata", {})["annotations"] = dict(annotations)
+        if suspend is not None:
+            current = self.get(name, kind=kind, namespace=ns)
+            check_suspendable(current, suspend)
+            patch["spec"] = {"suspend": bool(suspend)}
+        if not patch:
+            return self.get(name, kind=kind, namespace=ns)
+        # A JSON merge patch: only these fields change, whatever else others changed meanwhile.
+        body = self._call("update", kind, ns, name, self.custom.patch_namespaced_custom_object,
+                          GROUP, VERSION, ns, _plural(kind), name, patch)
+        return from_wire(body)
+
+    def pods(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str | None = None,
+        index: int | None = None,
+    ) -> list[ReplicaPod]:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        selector = pod_selector(kind, name, replica, index)
+        self.get(name, kind=kind, namespace=ns)  # NotFoundError for a job that does not exist
+        resp = self._call("list pods of", kind, ns, name, self.core.list_namespaced_pod,
+                          ns, label_selector=selector, _preload_content=False)
+        return sorted((pod_from_wire(p) for p in _json(resp).get("items") or []), key=pod_order)
+
+    def metrics(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> dict[str, list[MetricPoint]]:
+        obj = self.get(name, kind=kind, namespace=namespace)
+        uri = self.cfg.mlflow_tracking_uri or obj.spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        return metric_history(obj, uri, keys)
 
     # ------------------------------------------------------------------ logs
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +30,32 @@ from gem_sdk._exceptions import (
     WaitTimeoutError,
     describe,
 )
+from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
+    check_suspendable,
+    describe_until,
     from_wire,
     match_labels,
     normalize_until,
     phase_of,
+    pod_from_wire,
     pod_name,
+    pod_order,
+    pod_selector,
     resolve_ref,
     to_model,
     wait_done,
 )
-from gem_sdk._types import LocalBackendConfig, ObjectInput, Ref, Resource, resolve_kind
+from gem_sdk._types import (
+    LocalBackendConfig,
+    MetricPoint,
+    ObjectInput,
+    Ref,
+    ReplicaPod,
+    Resource,
+    Until,
+    resolve_kind,
+)
 from gem_sdk.backends.base import Backend
 from gem_sdk.backends.local import store
 
@@ -89,6 +104,7 @@ class LocalBackend(Backend):
     """Runs jobs as processes under `root` (see `store` for the layout)."""
 
     def __init__(self, cfg: LocalBackendConfig) -> None:
+        self.cfg = cfg
         self.root = Path(cfg.root).expanduser().absolute()
         self.default_namespace = cfg.namespace
 
@@ -166,7 +182,8 @@ class LocalBackend(Backend):
     def _mlflow_uri(self, model: Resource) -> str | None:
         if model.spec.mlflow.tracking_uri:
             return None  # the renderer uses the spec's
-        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / store.MLFLOW_DB}"
+        return (self.cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                or f"sqlite:///{self.root / store.MLFLOW_DB}")
 
     def _spawn(self, d: Path) -> None:
         with open(d / store.SUPERVISOR_LOG, "ab") as log:
@@ -316,7 +333,8 @@ class LocalBackend(Backend):
         kind: str | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
-        until: Iterable[str] = TERMINAL_PHASES,
+        until: Until = TERMINAL_PHASES,
+        callback: Callable[[Resource], None] | None = None,
     ) -> Resource:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         phases = normalize_until(until)
@@ -335,6 +353,8 @@ class LocalBackend(Backend):
             if stamp != seen:
                 seen = stamp
                 obj = self._read(kind, ns, name)
+                if callback is not None:
+                    callback(obj)
                 if wait_done(obj, phases):
                     return obj
             else:
@@ -351,10 +371,141 @@ class LocalBackend(Backend):
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeoutError(
                     f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
-                    f"{'/'.join(sorted(phases))} (phase {phase_of(obj)})",
+                    f"{describe_until(phases)} (phase {phase_of(obj)})",
                     object=obj, kind=kind, namespace=ns, name=name,
                 )
             time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ update, suspend, resume
+
+    def update(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        suspend: bool | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Resource:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        self._read(kind, ns, name)
+        d = self._dir(kind, ns, name)
+        resume = False
+        try:
+            with store.locked(d):  # the supervisor writes object.yaml under the same lock
+                body = store.read_yaml(d / store.OBJECT_FILE)
+                if body is None:
+                    raise FileNotFoundError(d)
+                obj = from_wire(body)
+                meta, changed = body.setdefault("metadata", {}), False
+                for field, changes in (("labels", labels), ("annotations", annotations)):
+                    if changes:
+                        new = {k: v for k, v in {**(meta.get(field) or {}), **changes}.items() if v is not None}
+                        changed |= new != (meta.get(field) or {})
+                        meta[field] = new
+                if suspend is not None and bool(body["spec"].get("suspend")) != suspend:
+                    check_suspendable(obj, suspend)
+                    body["spec"]["suspend"] = suspend
+                    meta["generation"] = int(meta.get("generation") or 1) + 1
+                    # A supervisor that recorded Suspended has exited (or is exiting): start a new one.
+                    resume = not suspend and phase_of(obj) == Phase.suspended.value
+                    changed = True
+                if changed:
+                    meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
+                    store.write_yaml(d / store.OBJECT_FILE, body)
+        except FileNotFoundError:
+            raise NotFoundError(f"{describe(kind, ns, name)} not found (local root {self.root})",
+                                kind=kind, namespace=ns, name=name) from None
+        if suspend:
+            self._await_suspended(d, kind, ns, name)
+        if resume:
+            self._resume(d)
+        return self._read(kind, ns, name)
+
+    def _await_suspended(self, d: Path, kind: str, ns: str, name: str) -> None:
+        """Wait for the supervisor to stop the replicas and record Suspended; if it is gone (it
+        crashed, or was killed), stop what is left and record it here."""
+        deadline = time.monotonic() + STOP_GRACE_S + 15
+        while time.monotonic() < deadline:
+            phase = phase_of(self._read(kind, ns, name))
+            if phase == Phase.suspended.value or phase in TERMINAL_PHASES:
+                return
+            pid = self._supervisor_pid(d)
+            if pid is None or not _alive(pid) or not _is_supervisor(pid):
+                break
+            time.sleep(POLL_S)
+        self._stop(d)
+        with store.locked(d):
+            body = store.read_yaml(d / store.OBJECT_FILE)
+            if body is None or not body["spec"].get("suspend") or phase_of(from_wire(body)) in TERMINAL_PHASES:
+                return
+            job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
+            job.setdefault("spec", {}).setdefault("runPolicy", {})["suspend"] = True
+            msg = f"PyTorchJob {job.get('metadata', {}).get('name', name)} is suspended."
+            cond = {"type": "Suspended", "status": "True", "reason": "PyTorchJobSuspended", "message": msg,
+                    "lastTransitionTime": _now()}
+            job_status = job.setdefault("status", {})
+            job_status["conditions"] = [c for c in job_status.get("conditions", []) if c.get("type") != "Suspended"] + [cond]
+            status = body.setdefault("status", {})
+            status["conditions"] = [c for c in status.get("conditions", []) if c.get("type") != "Suspended"] + [cond]
+            status.update(phase=Phase.suspended.value, message=msg)
+            store.write_yaml(d / store.PYTORCHJOB_FILE, job)
+            store.write_yaml(d / store.PODS_FILE, {"items": []})
+            store.write_yaml(d / store.OBJECT_FILE, body)
+
+    def _resume(self, d: Path) -> None:
+        """Start a new supervisor for a suspended job (after the old one has exited)."""
+        pid = self._supervisor_pid(d)
+        end = time.monotonic() + STOP_GRACE_S
+        while pid is not None and _alive(pid) and _is_supervisor(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        self._stop(d)
+        job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
+        job.setdefault("spec", {}).setdefault("runPolicy", {})["suspend"] = False
+        store.write_yaml(d / store.PYTORCHJOB_FILE, job)
+        self._spawn(d)
+
+    # ------------------------------------------------------------------ pods, metrics
+
+    def pods(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str | None = None,
+        index: int | None = None,
+    ) -> list[ReplicaPod]:
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod_selector(kind, name, replica, index)  # checks replica and index
+        self._read(kind, ns, name)
+        items = (store.read_yaml(self._dir(kind, ns, name) / store.PODS_FILE) or {}).get("items") or []
+        out = [pod_from_wire(item) for item in items]
+        out = [p for p in out if (replica is None or p.replica_type == replica.lower()) and (index is None or p.index == index)]
+        return sorted(out, key=pod_order)
+
+    def metrics(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> dict[str, list[MetricPoint]]:
+        obj = self.get(name, kind=kind, namespace=namespace)
+        return metric_history(obj, self._job_mlflow_uri(obj), keys)
+
+    def _job_mlflow_uri(self, obj: Resource) -> str | None:
+        """The tracking URI the job's trainers were given (it is in the rendered PyTorchJob)."""
+        job = store.read_yaml(self._dir(obj.kind, obj.metadata.namespace or self.default_namespace,
+                                        obj.metadata.name) / store.PYTORCHJOB_FILE) or {}
+        for rs in ((job.get("spec") or {}).get("pytorchReplicaSpecs") or {}).values():
+            for ctr in rs["template"]["spec"]["containers"]:
+                for env in ctr.get("env") or []:
+                    if env.get("name") == "MLFLOW_TRACKING_URI":
+                        return env.get("value")
+        return obj.spec.mlflow.tracking_uri or self._mlflow_uri(obj)
 
     # ------------------------------------------------------------------ logs
 

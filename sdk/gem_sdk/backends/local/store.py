@@ -16,11 +16,14 @@
         logs/<pod>.log                   each pod's log (`<pod>.log.previous` before a restart)
 
 Readers never lock: every file is replaced atomically, so a reader sees the old or the new one.
+Writers of `object.yaml` (the supervisor's status, the SDK's update/suspend/resume) read, modify
+and write it under `locked(job_dir)`, so neither loses the other's change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -41,6 +44,7 @@ PODS_FILE = "pods.yaml"
 LOGS_DIR = "logs"
 CLAIMS_DIR = "claims"
 MLFLOW_DB = "mlflow.db"
+LOCK_FILE = ".lock"
 
 
 def job_dir(root: Path, kind: str, namespace: str, name: str) -> Path:
@@ -49,6 +53,17 @@ def job_dir(root: Path, kind: str, namespace: str, name: str) -> Path:
 
 def claims_dir(root: Path) -> Path:
     return root / CLAIMS_DIR
+
+
+@contextlib.contextmanager
+def locked(job_dir: Path) -> Iterator[None]:
+    """Hold the job's write lock (an flock, released even if the holder is killed)."""
+    fd = os.open(job_dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> None:

@@ -13,6 +13,11 @@ and keeps on disk, like the training operator and the gem operator do on a clust
 A failed replica restarts the whole gang (every replica, in place) while fewer than
 `runPolicy.backoffLimit` restarts were made; `activeDeadlineSeconds` is enforced. SIGTERM (sent
 by `delete`) stops every replica and exits without writing.
+
+Suspension follows `spec.suspend` of `object.yaml` (set by `LocalBackend.update`): the supervisor
+stops every replica (the checkpoints stay in the job's claim), records Suspended and exits;
+`update(suspend=False)` starts a new supervisor, whose trainers resume from their latest complete
+checkpoint by themselves. Every read-modify-write of `object.yaml` holds `store.locked`.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Supervisor:
         self.restarts = 0
         self.job_status: dict[str, Any] = dict(self.job.get("status") or {})
         self.started = 0.0
+        self.suspended = False  # pods are gone while suspended, as on a cluster
         self._written: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ job status
@@ -148,8 +154,15 @@ class Supervisor:
     def write(self) -> None:
         """Mirror the PyTorchJob into the resource's status (as the gem operator does) and save all
         three files, if anything changed."""
-        self.job_status["replicaStatuses"] = self._replica_statuses()
-        pods = self.pods()
+        try:
+            with store.locked(self.dir):
+                self._write_locked()
+        except FileNotFoundError:
+            raise _Stop() from None  # the job directory was deleted under us
+
+    def _write_locked(self) -> None:
+        self.job_status["replicaStatuses"] = {} if self.suspended else self._replica_statuses()
+        pods = [] if self.suspended else self.pods()
         obj = store.read_yaml(self.dir / store.OBJECT_FILE)
         if obj is None:
             raise _Stop()  # deleted under us
@@ -184,6 +197,38 @@ class Supervisor:
         meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
         store.write_yaml(self.dir / store.OBJECT_FILE, {**obj, "metadata": meta, "status": out})
 
+    # ------------------------------------------------------------------ suspension
+
+    def suspend_requested(self) -> bool:
+        """Whether the resource's spec.suspend is set (what `LocalBackend.update` changes)."""
+        obj = store.read_yaml(self.dir / store.OBJECT_FILE)
+        if obj is None:
+            raise _Stop()
+        return bool((obj.get("spec") or {}).get("suspend"))
+
+    def _mark_suspended(self) -> None:
+        self.suspended = True
+        self.job.setdefault("spec", {}).setdefault("runPolicy", {})["suspend"] = True
+        msg = f"PyTorchJob {self.name} is suspended."
+        if any(c.get("type") == "Running" for c in self.job_status.get("conditions", [])):
+            self._cond("Running", "False", "PyTorchJobSuspended", msg)
+        self._cond("Suspended", "True", "PyTorchJobSuspended", msg)
+
+    def suspend(self) -> bool:
+        """Stop the gang and record Suspended; False if a resume came in meanwhile (keep running)."""
+        self.run.stop()
+        try:
+            with store.locked(self.dir):
+                if self.suspend_requested():
+                    self._mark_suspended()
+                    self._write_locked()
+                    return True
+        except FileNotFoundError:
+            raise _Stop() from None
+        for info in self.run.replicas.values():  # resumed while stopping: start the gang again
+            info.pod.restart()
+        return False
+
     # ------------------------------------------------------------------ lifecycle
 
     def _failed_replicas(self) -> str:
@@ -204,6 +249,8 @@ class Supervisor:
     def start(self) -> None:
         self.started = time.monotonic()
         self.job_status["startTime"] = st.now()
+        if any(c.get("type") == "Suspended" and c.get("status") == "True" for c in self.job_status.get("conditions", [])):
+            self._cond("Suspended", "False", "PyTorchJobResumed", f"PyTorchJob {self.name} is resumed.")
         self.run.start()
         self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
         self.write()
@@ -214,7 +261,9 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def step(self) -> bool:
-        """One look at the replicas; True once the job has ended."""
+        """One look at the replicas; True once the job has ended (or was suspended)."""
+        if self.suspend_requested() and self.suspend():
+            return True
         states = {n: info.pod.poll() for n, info in self.run.replicas.items()}
         masters = [i for i in self.run.replicas.values() if i.replica_type == "Master"] or list(self.run.replicas.values())
         if all(i.pod.state.phase == "Succeeded" for i in masters):
@@ -254,10 +303,11 @@ class Supervisor:
 
     def main(self) -> int:
         try:
-            if self.job["spec"].get("runPolicy", {}).get("suspend"):
-                self._cond("Suspended", "True", "PyTorchJobSuspended", f"PyTorchJob {self.name} is suspended.")
-                self.write()
-                return 0
+            with store.locked(self.dir):  # submitted suspended, or suspended before we started
+                if self.suspend_requested():
+                    self._mark_suspended()
+                    self._write_locked()
+                    return 0
             self.start()
             while not self.step():
                 time.sleep(POLL_S)

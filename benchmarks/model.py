@@ -1,0 +1,366 @@
+"""The GEM model's speed on this machine, measured side by side in one process.
+
+    python -m benchmarks.model [--quick] [--out benchmarks/results/model.json]
+
+Every figure is a ratio of two things timed in the same rounds: each round runs every
+contender once (in turn), and a ratio is the median over rounds of that round's ratio, so load
+from other processes on a shared machine hits both sides alike. Each measured figure has its
+ideal beside it, from FLOP counts (gem/modules FLOP counters, matmul work only).
+
+Reference workload (the issue's): batch 64, 4 heads, head dim 32, history lengths
+LogNormal(mu=5, sigma=1) rounded and clipped to [8, 2048], seed 0.
+
+  jagged_attention_speedup      padded SDPA / jagged full attention (tiled, length buckets)
+  block_attention_scaling       block attention time per sequence, L=16384 over L=2048
+  compskip_flop_reduction       1 - FLOPs(CompSkip on) / FLOPs(off), `small`, counted
+  pffn_forward_speedup          forward of `small` with a 4d-wide per-token FFN / with the PFFN
+  train_step_speedup_vs_padded  padded-attention GEM step / GEM step (`small`, fwd+bwd+AdamW)
+  mfu                           GEM step FLOPs (3 x forward) / time / measured bf16 matmul peak
+
+Precision: every model and kernel is timed in fp32 and in bf16 (autocast) in the same rounds
+and the faster one is used; both are in the JSON. Writes the JSON and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gem.baselines import PaddedKunlunModel  # noqa: E402
+from gem.modules import PRESETS, KunlunModel  # noqa: E402
+from gem.modules.inputs import random_inputs  # noqa: E402
+from gem.ops import block_attention, jagged_attention, plan_blocks, plan_buckets  # noqa: E402
+from gem.ops.common import offsets_of, with_zero_row  # noqa: E402
+from gem.ops.rotary import rotary_cos_sin  # noqa: E402
+from gem.ops.testing import random_lengths  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+BATCH, HEADS, HEAD_DIM, SEED = 64, 4, 32, 0
+EVENT_TYPE_PROBS = (0.5, 0.35, 0.15)  # impression, click, conversion: half the events in each tier
+
+TARGETS = {
+    "jagged_attention_speedup": (">=", 10.0),
+    "block_attention_scaling": ("<=", 10.0),
+    "compskip_flop_reduction": (">=", 0.40),
+    "pffn_forward_speedup": (">=", 2.0),
+    "train_step_speedup_vs_padded": (">=", 3.0),
+    "mfu": (">=", 0.20),
+}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def rounds(fns: dict[str, Callable[[], object]], *, num_rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of every fn, num_rounds times, interleaved (one call of each per round)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(num_rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of times[num] / times[den] (same-round pairs)."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+def faster(times: dict[str, list[float]], a: str, b: str) -> str:
+    return a if statistics.median(times[a]) <= statistics.median(times[b]) else b
+
+
+def med(times: dict[str, list[float]], name: str) -> float:
+    return statistics.median(times[name])
+
+
+def matmul_peak_fns() -> dict[str, Callable[[], object]]:
+    """A large square matmul in bf16 and fp32: the machine's measured matmul peak."""
+    n = 2048
+    a32, b32 = torch.randn(n, n), torch.randn(n, n)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    return {"peak_bf16": lambda: a16 @ b16, "peak_fp32": lambda: a32 @ b32}
+
+
+PEAK_FLOPS = 2.0 * 2048**3
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def reference_lengths(batch: int = BATCH) -> torch.Tensor:
+    return random_lengths(torch.Generator().manual_seed(SEED), batch)
+
+
+def bench_jagged_attention(num_rounds: int) -> dict:
+    lengths = reference_lengths()
+    offsets = offsets_of(lengths)
+    total, max_len = int(offsets[-1]), int(lengths.max())
+    g = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=g) for _ in range(3))
+    qkv = {torch.float32: (q, k, v), torch.bfloat16: tuple(x.bfloat16() for x in (q, k, v))}
+    p = torch.arange(max_len)
+    valid = p[None, :] < lengths[:, None]  # [B, Lmax]
+    rows = torch.where(valid, offsets[:-1, None] + p[None, :], total)
+
+    def padded(dtype):
+        def run():
+            qp, kp, vp = (with_zero_row(x).index_select(0, rows.reshape(-1)).view(BATCH, max_len, HEADS, HEAD_DIM)
+                          .transpose(1, 2) for x in qkv[dtype])
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=valid[:, None, None, :])
+            return o.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)[valid.reshape(-1)]
+        return run
+
+    def jagged(dtype):
+        return lambda: jagged_attention(*qkv[dtype], offsets)  # bucket planning included
+
+    def loop():
+        return torch.cat([F.scaled_dot_product_attention(*(x[int(offsets[b]):int(offsets[b + 1])].transpose(0, 1)
+                                                           for x in qkv[torch.bfloat16])).transpose(0, 1)
+                          for b in range(BATCH)])
+
+    fns = {"padded_fp32": padded(torch.float32), "padded_bf16": padded(torch.bfloat16),
+           "jagged_fp32": jagged(torch.float32), "jagged_bf16": jagged(torch.bfloat16), "per_sequence_loop_bf16": loop}
+    times = rounds(fns, num_rounds=num_rounds)
+    best_padded, best_jagged = faster(times, "padded_fp32", "padded_bf16"), faster(times, "jagged_fp32", "jagged_bf16")
+    # Same outputs: the fast path against the padded one, both in fp32.
+    err = (jagged(torch.float32)() - padded(torch.float32)()).abs().max().item()
+    pairs = float((lengths.double() ** 2).sum())
+    buckets = plan_buckets(offsets)
+    tiled_pairs = sum(bk.size * bk.q_len * bk.k_len for bk in buckets.buckets)
+    return {
+        "jagged_attention_speedup": paired_ratio(times, best_padded, best_jagged),
+        "jagged_attention_ideal": BATCH * max_len**2 / pairs,
+        "jagged_attention_tile_ideal": BATCH * max_len**2 / tiled_pairs,
+        "jagged_attention_max_abs_err_fp32": err,
+        "jagged_attention_num_buckets": len(buckets),
+        "seconds": {k: med(times, k) for k in times},
+        "chosen": {"padded": best_padded, "jagged": best_jagged},
+        "total_tokens": total, "max_len": max_len,
+    }
+
+
+def bench_block_scaling(num_rounds: int, short: int = 2048, long: int = 16384) -> dict:
+    n_short = long // short  # the same number of tokens on both sides
+    out: dict = {}
+    fns = {}
+    for name, L, n in (("short", short, n_short), ("long", long, 1)):
+        offsets = offsets_of(torch.full((n,), L, dtype=torch.int64))
+        g = torch.Generator().manual_seed(SEED)
+        q, k, v = (torch.randn(n * L, HEADS, HEAD_DIM, generator=g).bfloat16() for _ in range(3))
+        phase = torch.rand(n * L, generator=g) * 100
+        plan, cs = plan_blocks(offsets, 64), rotary_cos_sin(phase, HEAD_DIM, base=10000.0, dtype=torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = tuple(t.to(dtype) for t in (q, k, v))
+            cs_d = tuple(t.to(dtype) for t in cs)
+            fns[f"{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"] = (
+                lambda x=x, o=offsets, p=phase, pl=plan, c=cs_d: block_attention(*x, o, rotary_phase=p, plan=pl,
+                                                                                    rotary_cos_sin=c))
+    times = rounds(fns, num_rounds=num_rounds)
+    dt = "bf16" if med(times, "long_bf16") + med(times, "short_bf16") <= med(times, "long_fp32") + med(times, "short_fp32") else "fp32"
+    # time per sequence: long / 1 over short / n_short
+    out["block_attention_scaling"] = paired_ratio(times, f"long_{dt}", f"short_{dt}") * n_short
+    out["block_attention_ideal"] = long / short
+    out["seconds"] = {k: med(times, k) for k in times}
+    out["dtype"] = dt
+    return out
+
+
+def _inputs(cfg, batch=BATCH):
+    return random_inputs(cfg, reference_lengths(batch), seed=SEED, type_probs=EVENT_TYPE_PROBS)
+
+
+def bench_compskip() -> dict:
+    cfg = PRESETS["small"]
+    inputs = _inputs(cfg)
+    torch.manual_seed(0)
+    on, off = KunlunModel(cfg), KunlunModel(dataclasses.replace(cfg, compskip=False))
+    lengths = on.tier_lengths(inputs)
+    f_on, f_off = on.flops(lengths), off.flops(lengths)
+    return {
+        "compskip_flop_reduction": 1 - sum(f_on.values()) / sum(f_off.values()),
+        "flops_per_example_on": {k: v / BATCH for k, v in f_on.items()},
+        "flops_per_example_off": {k: v / BATCH for k, v in f_off.items()},
+    }
+
+
+def _autocast(dtype: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def bench_pffn(num_rounds: int) -> dict:
+    cfg = PRESETS["small"]
+    inputs = _inputs(cfg)
+    models = {}
+    for name, c in (("pffn", cfg), ("token_ffn_4d", dataclasses.replace(cfg, seq_ffn="token_ffn", token_ffn_mult=4)),
+                    ("token_ffn_1d", dataclasses.replace(cfg, seq_ffn="token_ffn", token_ffn_mult=1))):
+        torch.manual_seed(0)
+        models[name] = KunlunModel(c).eval()
+    lengths = models["pffn"].tier_lengths(inputs)
+    flops = {k: sum(m.flops(lengths).values()) for k, m in models.items()}
+
+    def fwd(model, dtype):
+        def run():
+            with torch.no_grad(), _autocast(dtype):
+                return model(inputs)
+        return run
+
+    fns = {f"{k}_{dt}": fwd(m, dt) for k, m in models.items() for dt in ("fp32", "bf16")}
+    times = rounds(fns, num_rounds=num_rounds)
+    best = {k: faster(times, f"{k}_fp32", f"{k}_bf16") for k in models}
+    return {
+        "pffn_forward_speedup": paired_ratio(times, best["token_ffn_4d"], best["pffn"]),
+        "pffn_forward_ideal": flops["token_ffn_4d"] / flops["pffn"],
+        "pffn_forward_speedup_vs_ffn_hidden_d": paired_ratio(times, best["token_ffn_1d"], best["pffn"]),
+        "pffn_forward_ideal_vs_ffn_hidden_d": flops["token_ffn_1d"] / flops["pffn"],
+        "forward_flops": flops, "seconds": {k: med(times, k) for k in times}, "chosen": best,
+    }
+
+
+def _train_step(model, inputs, dtype: str):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step():
+        with _autocast(dtype):
+            loss, _ = model.loss(inputs)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def bench_train_step(num_rounds: int) -> dict:
+    cfg = PRESETS["small"]
+    inputs = _inputs(cfg)
+    torch.manual_seed(0)
+    gem = KunlunModel(cfg)
+    torch.manual_seed(0)
+    padded = PaddedKunlunModel(cfg)
+    lengths = gem.tier_lengths(inputs)
+    step_flops = {"gem": 3 * sum(gem.flops(lengths).values()), "padded": 3 * sum(padded.flops(lengths).values())}
+    fns = {"gem_fp32": _train_step(gem, inputs, "fp32"), "gem_bf16": _train_step(gem, inputs, "bf16"),
+           "padded_fp32": _train_step(padded, inputs, "fp32"), "padded_bf16": _train_step(padded, inputs, "bf16")}
+    fns.update(matmul_peak_fns())
+    times = rounds(fns, num_rounds=num_rounds)
+    best_gem, best_padded = faster(times, "gem_fp32", "gem_bf16"), faster(times, "padded_fp32", "padded_bf16")
+    # MFU per round: achieved FLOP rate of the step over the same round's bf16 matmul peak.
+    mfu = statistics.median((step_flops["gem"] / t) / (PEAK_FLOPS / p)
+                            for t, p in zip(times[best_gem], times["peak_bf16"]))
+    return {
+        "train_step_speedup_vs_padded": paired_ratio(times, best_padded, best_gem),
+        "train_step_ideal_vs_padded": step_flops["padded"] / step_flops["gem"],
+        "mfu": mfu,
+        "mfu_ideal": 1.0,
+        "step_flops": step_flops,
+        "achieved_gflops": step_flops["gem"] / med(times, best_gem) / 1e9,
+        "peak_bf16_gflops": PEAK_FLOPS / med(times, "peak_bf16") / 1e9,
+        "peak_fp32_gflops": PEAK_FLOPS / med(times, "peak_fp32") / 1e9,
+        "seconds": {k: med(times, k) for k in times}, "chosen": {"gem": best_gem, "padded": best_padded},
+        "tokens_per_tier": {k: int(v.sum()) for k, v in lengths.items()},
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def check(results: dict) -> dict[str, dict]:
+    out = {}
+    for key, (op, target) in TARGETS.items():
+        value = results[key]
+        ok = value >= target if op == ">=" else value <= target
+        out[key] = {"value": value, "target": f"{op} {target}", "met": bool(ok)}
+    return out
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [("jagged attention\nspeedup", "jagged_attention_speedup", "jagged_attention_ideal"),
+            ("block attention\nscaling 16K/2K", "block_attention_scaling", "block_attention_ideal"),
+            ("PFFN forward\nspeedup", "pffn_forward_speedup", "pffn_forward_ideal"),
+            ("train step vs\npadded", "train_step_speedup_vs_padded", "train_step_ideal_vs_padded")]
+    r = doc["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    ax = axes[0]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r[m] for _, m, _ in rows], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r[i_] for _, _, i_ in rows], 0.4, label="ideal (FLOP count)", alpha=0.6)
+    for i, (_, m, _) in enumerate(rows):
+        op, t = TARGETS[m]
+        ax.hlines(t, i - 0.4, i + 0.4, colors="k", linestyles="dashed")
+    ax.set_xticks(list(x), [n for n, _, _ in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ratio (dashed: target)")
+    ax.legend()
+    ax = axes[1]
+    ax.bar([0, 1], [r["compskip_flop_reduction"], r["mfu"]], color=["tab:green", "tab:purple"])
+    ax.hlines([0.40, 0.20], [-0.4, 0.6], [0.4, 1.4], colors="k", linestyles="dashed")
+    ax.set_xticks([0, 1], ["CompSkip\nFLOP cut", "MFU"])
+    ax.set_ylim(0, 1)
+    fig.suptitle(f"GEM model benchmarks ({doc['machine']['cpu_threads']} threads, {doc['machine']['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run; noisier figures)")
+    p.add_argument("--out", type=Path, default=RESULTS / "model.json")
+    args = p.parse_args(argv)
+    torch.manual_seed(SEED)
+    n = 2 if args.quick else 5
+    t0 = time.time()
+    parts = {}
+    parts["jagged_attention"] = bench_jagged_attention(n)
+    print("jagged attention done", flush=True)
+    parts["block_attention"] = bench_block_scaling(n)
+    print("block attention done", flush=True)
+    parts["compskip"] = bench_compskip()
+    parts["pffn"] = bench_pffn(n)
+    print("pffn done", flush=True)
+    parts["train_step"] = bench_train_step(max(2, n - 2))
+    results = {k: v for part in parts.values() for k, v in part.items() if isinstance(v, (int, float))}
+    doc = {
+        "command": "python -m benchmarks.model" + (" --quick" if args.quick else ""),
+        "machine": {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "processor": platform.processor() or platform.machine()},
+        "workload": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "seed": SEED,
+                     "lengths": "LogNormal(5, 1) rounded, clipped to [8, 2048]", "model": "small",
+                     "event_type_probs": dict(zip(("impression", "click", "conversion"), EVENT_TYPE_PROBS))},
+        "targets": check(results),
+        "results": results,
+        "details": parts,
+        "wall_seconds": round(time.time() - t0, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False, default=float) + "\n")
+    plot(doc, args.out.with_suffix(".png"))
+    print(json.dumps(doc["targets"], indent=1))
+    return 0 if all(t["met"] for t in doc["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The local sequence layer: block attention with time-based rotary (notes sections 4 and 13).
+
+    S' = S + W_o · BlockAttn_64(RoPE_time(LN(S) W_q), RoPE_time(LN(S) W_k), LN(S) W_v)
+
+Blocks start at each segment's first event; `shift` (alternating 0 and block/2 across the
+local layers) moves the block edges so information crosses them [PROPOSAL].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem.modules.common import JaggedModule, block_pairs, linear_flops
+from gem.modules.config import TierConfig
+from gem.modules.oneseq import TierBatch
+from gem.ops import block_attention
+
+
+class BlockAttentionLayer(JaggedModule):
+    def __init__(self, tier: TierConfig, *, shift: int = 0):
+        super().__init__()
+        self.tier, self.shift = tier, shift
+        self.norm = nn.LayerNorm(tier.dim)
+        self.w_qkv = nn.Linear(tier.dim, 3 * tier.dim, bias=False)
+        self.w_o = nn.Linear(tier.dim, tier.dim, bias=False)
+
+    def qkv(self, tb: TierBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        H, dh = self.tier.num_heads, self.tier.head_dim
+        return self.w_qkv(self.norm(tb.values)).view(-1, 3, H, dh).unbind(1)  # [ΣL, H, dh] each
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tb: TierBatch) -> torch.Tensor:
+        t = self.tier
+        tiled = self.kernel == "tiled"
+        return block_attention(
+            q, k, v, tb.offsets, block_size=t.block_size, shift=self.shift, rotary_phase=tb.phase,
+            rotary_cos_sin=tb.rotary(t.head_dim, q.dtype) if tiled else None,
+            plan=tb.block_plan(t.block_size, self.shift) if tiled else None, kernel=self.kernel)
+
+    def forward(self, tb: TierBatch) -> torch.Tensor:
+        q, k, v = self.qkv(tb)
+        o = self.attend(q, k, v, tb)  # [ΣL, H, dh]
+        return tb.values + self.w_o(o.reshape(-1, self.tier.dim))
+
+    def attention_flops(self, lengths: torch.Tensor) -> float:
+        t = self.tier
+        return 2 * 2.0 * t.dim * block_pairs(lengths, t.block_size, self.shift)  # QKᵀ and PV, all heads
+
+    def flops(self, lengths: torch.Tensor) -> float:
+        tokens = float(lengths.sum())
+        d = self.tier.dim
+        return linear_flops(tokens, d, 3 * d) + linear_flops(tokens, d, d) + self.attention_flops(lengths)

@@ -1,0 +1,74 @@
+"""Building blocks shared by the modules: the kernel switch, token-axis linears, FLOP helpers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gem.ops.common import DEFAULT_KERNEL, Kernel
+
+
+class JaggedModule(nn.Module):
+    """A module that calls jagged ops; `set_kernel` switches the kernel of a whole stack."""
+
+    kernel: Kernel = DEFAULT_KERNEL
+
+
+def set_kernel(module: nn.Module, kernel: Kernel) -> nn.Module:
+    for m in module.modules():
+        if isinstance(m, JaggedModule):
+            m.kernel = kernel
+    return module
+
+
+class TokenLinear(nn.Module):
+    """A linear map over the token axis: [B, n_in, d] -> [B, n_out, d] (LCE / LCB)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / math.sqrt(n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bnd,no->bod", x, self.weight.to(x.dtype))
+
+    def flops(self, batch: int, d: int) -> float:
+        n_in, n_out = self.weight.shape
+        return 2.0 * batch * n_in * n_out * d
+
+
+class SelfGate(nn.Module):
+    """x ⊙ σ(x W + b), token-wise: the InterFormer gate in its standard self-gating form."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.proj(x))
+
+    def flops(self, rows: int) -> float:
+        return linear_flops(rows, self.proj.in_features, self.proj.out_features)
+
+
+def linear_flops(rows: float, d_in: int, d_out: int) -> float:
+    """Multiply-adds of a [rows, d_in] x [d_in, d_out] matmul, counted as 2 FLOPs each."""
+    return 2.0 * rows * d_in * d_out
+
+
+def block_pairs(lengths: torch.Tensor, block: int, shift: int = 0) -> float:
+    """Σ over blocks of (tokens in the block)²: the (query, key) pairs block attention scores."""
+    total = 0.0
+    for n in lengths.tolist():
+        if n <= 0:
+            continue
+        first = min(n, block - shift)  # the first block is shorter by `shift`
+        rest = n - first
+        full, tail = divmod(rest, block)
+        total += first**2 + full * block**2 + tail**2
+    return total
+
+
+def add_flops(acc: dict[str, float], key: str, value: float) -> None:
+    acc[key] = acc.get(key, 0.0) + float(value)

@@ -1,0 +1,196 @@
+"""The Kunlun GEM model: OneSeq tiers, Kunlun layers with CompSkip, MoWE, multi-task heads.
+
+    X⁰ = FeatureEmbeddings(inputs)                           [B, N_ns, d]
+    S_t = OneSeqEncoder_t(inputs)                            [ΣL_t, d_t] + offsets, per tier t
+    layer l (CompSkip on: even l = global path, odd l = local path; off: both):
+        X_sum = Gate(LCE(X))                                 [B, n_sum, d]
+        global: S_t = PFFN_t(S_t, X_sum);  H_t = HSP_t(S_t)  (cached)
+        local:  S_t = S_t + BlockAttn_t(S_t)                 (H_t = the cached summary)
+        S_sum_t = Gate(Proj([H_t ‖ last_K(S_t)]))            [B, n_out_t + K_t, d]
+        X = LN(X + MoWE([X ‖ S_sum_all]))
+    logits = Heads(flatten(LN([X ‖ Gate(LCE(X)) ‖ S_sum_all])), surface)
+
+Within a global layer the personalised FFN runs before HSP, so the summary the interaction
+reads is already conditioned on the candidate (X_sum holds the candidate ad's tokens); with the
+opposite order a two-layer model would never give the interaction a candidate-aware summary.
+See docs/architecture.md for this and the other choices.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem.modules.attention import BlockAttentionLayer
+from gem.modules.common import JaggedModule, SelfGate, TokenLinear, add_flops, linear_flops
+from gem.modules.config import KunlunConfig, TierConfig
+from gem.modules.embeddings import FeatureEmbeddings
+from gem.modules.heads import MultiTaskHeads, multitask_loss
+from gem.modules.hsp import HierarchicalSeedPooling
+from gem.modules.inputs import GemInputs
+from gem.modules.mowe import MixtureOfWukongExperts
+from gem.modules.oneseq import OneSeqEncoder, TierBatch
+from gem.modules.pffn import PersonalizedFFN, TokenFFN
+from gem.ops import jagged_last_k
+
+
+class WeightGen(nn.Module):
+    """X_sum = Gate(LCE(X)): N_ns tokens compressed to n_sum along the token axis, self-gated."""
+
+    def __init__(self, num_in: int, num_out: int, dim: int):
+        super().__init__()
+        self.lce = TokenLinear(num_in, num_out)
+        self.gate = SelfGate(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.lce(x))
+
+    def flops(self, batch: int, dim: int) -> float:
+        return self.lce.flops(batch, dim) + self.gate.flops(batch * self.lce.weight.shape[1])
+
+
+class SummaryGate(nn.Module):
+    """S_sum_t = Gate(Proj([H_t ‖ last_K(S_t)])): the tier's summary tokens at the model width."""
+
+    def __init__(self, tier: TierConfig, dim: int):
+        super().__init__()
+        self.tier = tier
+        self.proj = nn.Linear(tier.dim, dim)
+        self.gate = SelfGate(dim)
+
+    def forward(self, summary: torch.Tensor, tb: TierBatch, kernel) -> torch.Tensor:
+        recent, valid = jagged_last_k(tb.values, tb.offsets, self.tier.num_recent, kernel=kernel)  # [B, K, d_t]
+        tokens = self.proj(torch.cat([summary.to(recent.dtype), recent], dim=1))  # [B, n_out + K, d]
+        mask = torch.cat([valid.new_ones(valid.shape[0], summary.shape[1]), valid], dim=1)
+        return self.gate(tokens) * mask.unsqueeze(-1).to(tokens.dtype)  # missing recent events -> 0
+
+    def flops(self, batch: int) -> float:
+        n = self.tier.num_summary_tokens + self.tier.num_recent
+        return linear_flops(batch * n, self.tier.dim, self.proj.out_features) + self.gate.flops(batch * n)
+
+
+class KunlunLayer(JaggedModule):
+    def __init__(self, cfg: KunlunConfig, index: int):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.runs_global, self.runs_local = cfg.layer_runs(index)
+        n_ns, d = cfg.num_non_seq_tokens, cfg.dim
+        local_index = index // 2 if cfg.compskip else index  # alternate block shifts across local layers
+        self.weight_gen = WeightGen(n_ns, cfg.num_sum_tokens, d)
+        self.seq_ffn, self.hsp, self.attn = nn.ModuleDict(), nn.ModuleDict(), nn.ModuleDict()
+        self.summary = nn.ModuleDict()
+        for t in cfg.tiers:
+            if self.runs_global:
+                self.seq_ffn[t.name] = (
+                    PersonalizedFFN(t, dim=d, num_sum_tokens=cfg.num_sum_tokens, activation=cfg.gdpa_activation)
+                    if cfg.seq_ffn == "pffn" else TokenFFN(t, mult=cfg.token_ffn_mult))
+                self.hsp[t.name] = HierarchicalSeedPooling(t, rank=cfg.sum_kron_rank, activation=cfg.gdpa_activation)
+            if self.runs_local:
+                self.attn[t.name] = self.make_attention(t, shift=(local_index % 2) * (t.block_size // 2))
+            self.summary[t.name] = SummaryGate(t, d)
+        self.mowe = MixtureOfWukongExperts(
+            num_in=n_ns + cfg.num_summary_tokens_total, num_out=n_ns, dim=d, num_experts=cfg.num_experts,
+            expert_tokens=cfg.expert_tokens, rank=cfg.fm_rank, hidden=cfg.fm_hidden)
+        self.norm = nn.LayerNorm(d)
+
+    def make_attention(self, tier: TierConfig, *, shift: int) -> nn.Module:
+        """The local sequence layer; the padded-attention baseline overrides this."""
+        return BlockAttentionLayer(tier, shift=shift)
+
+    def forward(self, x: torch.Tensor, tiers: dict[str, TierBatch], cache: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, TierBatch], torch.Tensor]:
+        """x [B, N_ns, d]; tiers updated in place of the dict; cache: tier -> HSP summary [B, n_out, d_t]."""
+        x_sum = self.weight_gen(x)  # [B, n_sum, d]
+        summaries = []
+        for t in self.cfg.tiers:
+            tb = tiers[t.name]
+            if self.runs_global:
+                tb = tb.replace_values(self.seq_ffn[t.name](tb, x_sum))
+                cache[t.name] = self.hsp[t.name](tb)  # fresh summary, reused by the next local layer
+            if self.runs_local:
+                tb = tb.replace_values(self.attn[t.name](tb))
+            tiers[t.name] = tb
+            summaries.append(self.summary[t.name](cache[t.name], tb, self.kernel))
+        s_sum = torch.cat(summaries, dim=1)  # [B, Σ(n_out + K), d]
+        z = torch.cat([x, s_sum.to(x.dtype)], dim=1)
+        return self.norm(x + self.mowe(z)), tiers, s_sum
+
+    def flops(self, batch: int, lengths: dict[str, torch.Tensor]) -> dict[str, float]:
+        acc: dict[str, float] = {}
+        d = self.cfg.dim
+        add_flops(acc, "weight_gen", self.weight_gen.flops(batch, d))
+        for t in self.cfg.tiers:
+            tokens = float(lengths[t.name].sum())
+            if self.runs_global:
+                name = "pffn" if self.cfg.seq_ffn == "pffn" else "token_ffn"
+                add_flops(acc, name, self.seq_ffn[t.name].flops(batch, tokens))
+                add_flops(acc, "hsp", self.hsp[t.name].flops(batch, tokens))
+            if self.runs_local:
+                add_flops(acc, "block_attention", self.attn[t.name].flops(lengths[t.name]))
+            add_flops(acc, "summary", self.summary[t.name].flops(batch))
+        add_flops(acc, "mowe", self.mowe.flops(batch))
+        return acc
+
+
+class KunlunModel(JaggedModule):
+    layer_cls = KunlunLayer
+
+    def __init__(self, cfg: KunlunConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.embeddings = FeatureEmbeddings(cfg)
+        self.encoders = nn.ModuleDict({t.name: OneSeqEncoder(cfg, t) for t in cfg.tiers})
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.final_weight_gen = WeightGen(cfg.num_non_seq_tokens, cfg.num_sum_tokens, d)
+        self.head_norm = nn.LayerNorm(d)
+        num_head_tokens = cfg.num_non_seq_tokens + cfg.num_sum_tokens + cfg.num_summary_tokens_total
+        self.heads = MultiTaskHeads(num_head_tokens * d, cfg)
+
+    def encode(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, TierBatch]]:
+        x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]; sparse-feature tokens come first
+        names = [s.name for s in self.cfg.features.sparse]
+        cand = [names.index(c) for c in self.cfg.features.candidate]
+        candidate = x[:, cand].sum(1) if cand else None  # [B, d]
+        tiers = {name: enc(inputs, self.embeddings, candidate) for name, enc in self.encoders.items()}
+        return x, tiers
+
+    def forward(self, inputs: GemInputs) -> dict[str, torch.Tensor]:
+        """Logits per task, each float32 [B]."""
+        x, tiers = self.encode(inputs)
+        cache: dict[str, torch.Tensor] = {}
+        s_sum = None
+        for layer in self.layers:
+            x, tiers, s_sum = layer(x, tiers, cache)
+        h = torch.cat([x, self.final_weight_gen(x), s_sum.to(x.dtype)], dim=1)  # [B, N_ns + n_sum + Σ(n_out+K), d]
+        return self.heads(self.head_norm(h).flatten(1), inputs.surface)
+
+    def loss(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return multitask_loss(self(inputs), inputs.labels, self.cfg.tasks, inputs.weight)
+
+    # ------------------------------------------------------------------ FLOPs
+
+    def tier_lengths(self, inputs: GemInputs) -> dict[str, torch.Tensor]:
+        """Events per example of every tier after merging and truncation, int64 [B] each."""
+        out = {}
+        for t in self.cfg.tiers:
+            total = sum(inputs.sequences[e].offsets.diff() for e in t.event_types)
+            out[t.name] = total.clamp(max=t.max_seq_len)
+        return out
+
+    def flops(self, lengths: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Forward FLOPs of one batch by component (matmul-like work only, counted from shapes).
+
+        lengths: tier -> events per example [B] (see tier_lengths). Multiply by 3 for fwd + bwd.
+        """
+        B = int(next(iter(lengths.values())).numel())
+        acc: dict[str, float] = {}
+        add_flops(acc, "embeddings", self.embeddings.flops(B))
+        for t in self.cfg.tiers:
+            add_flops(acc, "oneseq", self.encoders[t.name].flops(float(lengths[t.name].sum())))
+        for layer in self.layers:
+            for k, v in layer.flops(B, lengths).items():
+                add_flops(acc, k, v)
+        add_flops(acc, "weight_gen", self.final_weight_gen.flops(B, self.cfg.dim))
+        add_flops(acc, "heads", self.heads.flops(B))
+        return acc

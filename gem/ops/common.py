@@ -1,0 +1,309 @@
+"""Shared vocabulary of the jagged ops: the kernel switch, offsets helpers and dense tiles.
+
+Jagged layout (docs/architecture.md, "Jagged layout"): B variable-length sequences are stored
+back to back, `values: [ΣL, ...]`, and `offsets: int64 [B+1]` delimits them
+(`offsets[0] = 0`, `offsets[b+1] - offsets[b] = L_b`). Nothing in the model is padded to the
+batch's longest sequence.
+
+The fast ("tiled") kernels turn jagged work into a few dense tiles so that matmuls run on
+contiguous blocks:
+
+* **Buckets** (`plan_buckets`): examples sorted by length and cut into groups; each group is
+  padded only to its own longest member. The cuts come from a small dynamic programme that
+  minimises `Σ_groups n_g · Lq_g · Lk_g + overhead · num_groups`, i.e. the padded work plus a
+  fixed price per dense call.
+* **Blocks** (`plan_blocks`): every segment cut into fixed `block`-token pieces that start at
+  the segment's own offset (optionally shifted); a segment is padded only to a multiple of the
+  block.
+
+Both are described by integer index tensors computed once per batch (a SlotLayout: the slot of
+every jagged row); moving data into and out of tiles is a permutation each way, whose backward is
+the opposite permutation, so no scatter-add is ever needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class Kernel(str, enum.Enum):
+    """Which implementation an op dispatches to."""
+
+    PYTORCH = "pytorch"
+    """Plain padded + masked reference (gem/ops/pytorch/pt_*.py): readable, fp32-exact, slow."""
+    TILED = "tiled"
+    """Length-bucketed / block-tiled dense kernels (gem/ops/tiled/tiled_*.py): the fast path."""
+
+
+DEFAULT_KERNEL = Kernel.TILED
+
+
+def check_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets") -> None:
+    torch._assert(offsets.dim() == 1 and offsets.numel() >= 1, f"{name} must be 1-D [B+1]")
+    torch._assert(not offsets.is_floating_point(), f"{name} must be an integer tensor")
+    if not torch.jit.is_tracing() and offsets.device.type == "cpu":
+        torch._assert(int(offsets[0]) == 0, f"{name}[0] must be 0")
+        torch._assert(int(offsets[-1]) == num_values,
+                      f"{name}[-1] ({int(offsets[-1])}) must equal the number of values ({num_values})")
+
+
+def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
+    """[B+1] -> [B]"""
+    return offsets.diff()
+
+
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B+1], starting at 0."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
+    """The segment each value belongs to, int64 [ΣL]."""
+    B = offsets.numel() - 1
+    return torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff())
+
+
+def positions_in_segment(offsets: torch.Tensor) -> torch.Tensor:
+    """0, 1, ..., L_b - 1 for every segment, int64 [ΣL]."""
+    seg = segment_ids(offsets)
+    return torch.arange(seg.numel(), device=offsets.device) - offsets[seg]
+
+
+def with_zero_row(values: torch.Tensor) -> torch.Tensor:
+    """values with one extra all-zero row at the end: index ΣL reads zeros (a tile's padding)."""
+    return torch.cat([values, values.new_zeros((1,) + tuple(values.shape[1:]))], dim=0)
+
+
+# --------------------------------------------------------------------------- slot layouts
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Jagged rows [N, ...] <-> dense slots [num_slots, ...]: row r lives in slot dst[r].
+
+    Every row has exactly one slot and the other slots are zeros, so moving data either way is a
+    permutation; its backward is the opposite permutation (a gather), never a scatter-add.
+    """
+
+    dst: torch.Tensor  # int64 [N]
+    num_slots: int
+
+
+class _ToSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, num_slots: int) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        return x.new_zeros((num_slots,) + tuple(x.shape[1:])).index_copy_(0, dst, x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return grad.index_select(0, dst), None, None
+
+
+class _FromSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        ctx.num_slots = slots.shape[0]
+        return slots.index_select(0, dst)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.num_slots,) + tuple(grad.shape[1:])).index_copy_(0, dst, grad), None
+
+
+def to_slots(x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """[N, ...] -> [num_slots, ...] (zeros where no row lives)."""
+    return _ToSlots.apply(x, layout.dst, layout.num_slots)
+
+
+def from_slots(slots: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """[num_slots, ...] -> [N, ...]"""
+    return _FromSlots.apply(slots, layout.dst)
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One dense tile of whole segments: `examples` padded to `q_len` query and `k_len` key rows."""
+
+    examples: torch.Tensor  # int64 [n], which segments, in tile order
+    q_len: int
+    k_len: int
+    k_valid: torch.Tensor | None  # bool [n, k_len], None when no key slot is padding
+
+    @property
+    def size(self) -> int:
+        return int(self.examples.numel())
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Buckets laid out back to back: bucket i owns slots [Σ_{j<i} n_j·q_len_j, ...) of q_layout."""
+
+    buckets: list[Bucket]
+    q_layout: SlotLayout
+    k_layout: SlotLayout  # the same object as q_layout for self-attention
+
+    @property
+    def q_sizes(self) -> list[int]:
+        return [bk.size * bk.q_len for bk in self.buckets]
+
+    @property
+    def k_sizes(self) -> list[int]:
+        return [bk.size * bk.k_len for bk in self.buckets]
+
+    @property
+    def examples(self) -> torch.Tensor:
+        """All segments with queries, in tile order, int64 [n_total]."""
+        return torch.cat([bk.examples for bk in self.buckets])
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+
+def _round_up(x: np.ndarray | int, multiple: int):
+    return -(-x // multiple) * multiple
+
+
+def bucket_cuts(q_lens: np.ndarray, k_lens: np.ndarray, *, overhead: float) -> list[tuple[int, int]]:
+    """Cut segments (sorted by q_len, then k_len) into contiguous groups minimising padded work.
+
+    Cost of a group [i, j): (j - i) · max(q_lens[i:j]) · max(k_lens[i:j]) + overhead. A dynamic
+    programme over the ends of runs of equal (q_len, k_len): splitting such a run never lowers the
+    padded work, so groups only end where the lengths change. O(R²) for R distinct lengths.
+    """
+    n = len(q_lens)
+    if n == 0:
+        return []
+    q = q_lens.astype(np.float64)
+    k = k_lens.astype(np.float64)
+    change = np.flatnonzero((q[1:] != q[:-1]) | (k[1:] != k[:-1])) + 1
+    ends = np.concatenate([change, [n]])  # candidate group ends (exclusive), ascending
+    starts = np.concatenate([[0], change])  # candidate group starts
+    best = np.zeros(len(ends) + 1)  # best[r]: cost of segments [0, starts[r]) ... with best[0] = 0
+    arg = np.zeros(len(ends) + 1, dtype=np.int64)
+    for r, j in enumerate(ends, start=1):
+        s = starts[:r]  # every candidate start before this end
+        kmax = _suffix_max(k, s, j)
+        cost = best[:r] + (j - s) * q[j - 1] * kmax + overhead  # q sorted: group max is q[j-1]
+        i = int(np.argmin(cost))
+        best[r], arg[r] = cost[i], i
+    cuts, r = [], len(ends)
+    while r > 0:
+        i = int(arg[r])
+        cuts.append((int(starts[i]), int(ends[r - 1])))
+        r = i
+    return cuts[::-1]
+
+
+def _suffix_max(k: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
+    """max(k[s:end]) for every s in starts (ascending)."""
+    run_max = np.maximum.accumulate(k[:end][::-1])[::-1]  # run_max[i] = max(k[i:end])
+    return run_max[starts]
+
+
+def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None, *,
+                 overhead: float = 16384.0, round_to: int = 8) -> BucketPlan:
+    """Group segments into dense tiles (see module doc). k_offsets None: keys are the queries.
+
+    `overhead` is the fixed price of one dense call in units of padded (query x key) pairs;
+    `round_to` rounds a tile's lengths up (fewer distinct shapes) unless all its segments have the
+    same length, in which case the tile is exact and needs no mask. Segments without queries get
+    no tile (they produce no output rows).
+    """
+    self_attn = k_offsets is None
+    k_offsets = q_offsets if self_attn else k_offsets
+    dev = q_offsets.device
+    B = q_offsets.numel() - 1
+    q_lens_t, k_lens_t = q_offsets.diff(), k_offsets.diff()
+    q_lens, k_lens = q_lens_t.cpu().numpy(), k_lens_t.cpu().numpy()
+    order = np.lexsort((k_lens, q_lens))  # by q length, ties by k length
+    order = order[q_lens[order] > 0]
+    cuts = bucket_cuts(q_lens[order], k_lens[order], overhead=overhead)
+    buckets = []
+    q_first, k_first = np.zeros(B, np.int64), np.zeros(B, np.int64)  # first slot of every example
+    q_base = k_base = 0
+    for i, j in cuts:
+        ex_np = order[i:j]
+        n = len(ex_np)
+        q_len, k_len = _tile_len(q_lens[ex_np], round_to), _tile_len(k_lens[ex_np], round_to)
+        if self_attn:
+            q_len = k_len = max(q_len, k_len)
+        q_first[ex_np] = q_base + np.arange(n) * q_len
+        k_first[ex_np] = k_base + np.arange(n) * k_len
+        q_base, k_base = q_base + n * q_len, k_base + n * k_len
+        ex = torch.as_tensor(ex_np, device=dev)
+        kv = torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None]  # [n, k_len]
+        buckets.append(Bucket(ex, q_len, k_len, None if bool(kv.all()) else kv))
+    q_layout = _layout(q_offsets, q_first, q_base)
+    k_layout = q_layout if self_attn else _layout(k_offsets, k_first, k_base)
+    return BucketPlan(buckets, q_layout, k_layout)
+
+
+def _tile_len(lengths: np.ndarray, round_to: int) -> int:
+    """A tile's length: the exact length when all are equal (no padding at all), else rounded up."""
+    top = int(lengths.max())
+    return top if int(lengths.min()) == top else int(_round_up(top, round_to))
+
+
+def _layout(offsets: torch.Tensor, first_slot: np.ndarray, num_slots: int) -> SlotLayout:
+    """Row r of segment b at position p lives in slot first_slot[b] + p."""
+    seg = segment_ids(offsets)
+    pos = torch.arange(seg.numel(), device=offsets.device) - offsets[seg]
+    return SlotLayout(torch.as_tensor(first_slot, device=offsets.device)[seg] + pos, num_slots)
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Segments cut into fixed blocks: slot s of the [num_blocks * block] layout holds row src[s]."""
+
+    block: int
+    num_blocks: int
+    src: torch.Tensor  # int64 [num_blocks * block], jagged row of each slot (ΣL for padding)
+    dst: torch.Tensor  # int64 [ΣL], slot of each jagged row
+    valid: torch.Tensor  # bool [num_blocks, block]
+    block_segment: torch.Tensor  # int64 [num_blocks], the segment each block belongs to
+
+    @property
+    def layout(self) -> SlotLayout:
+        return SlotLayout(self.dst, self.num_blocks * self.block)
+
+
+def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0) -> BlockPlan:
+    """Cut every segment into `block`-token blocks starting at its own first row.
+
+    shift > 0 leaves `shift` empty slots before each segment, so block boundaries move by
+    `shift` tokens (alternating shifts let successive local layers exchange information).
+    """
+    if not 0 <= shift < block:
+        raise ValueError(f"block shift must be in [0, {block}), got {shift}")
+    lengths = offsets.diff()  # [B]
+    blocks_per_seg = torch.div(lengths + shift + block - 1, block, rounding_mode="floor")  # [B]
+    blocks_per_seg = torch.where(lengths > 0, blocks_per_seg, torch.zeros_like(blocks_per_seg))
+    first_block = offsets_of(blocks_per_seg)  # [B+1]
+    num_blocks = int(first_block[-1])
+    total = int(offsets[-1])
+    seg = segment_ids(offsets)  # [ΣL]
+    pos = torch.arange(total, device=offsets.device) - offsets[seg]  # [ΣL]
+    dst = first_block[seg] * block + shift + pos  # [ΣL]
+    src = torch.full((num_blocks * block,), total, dtype=torch.int64, device=offsets.device)
+    src[dst] = torch.arange(total, device=offsets.device)
+    valid = (src != total).view(num_blocks, block)
+    block_segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), blocks_per_seg)
+    return BlockPlan(block, num_blocks, src, dst, valid, block_segment)

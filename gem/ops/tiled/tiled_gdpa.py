@@ -1,0 +1,83 @@
+"""gdpa over dense tiles.
+
+* Jagged queries (self-attention-like, or long queries over short per-example keys as in the
+  personalised FFN): segments grouped into length buckets (common.plan_buckets with cost
+  n · Tq · Tk), one batched matmul pair per bucket. Dense per-example keys are gathered per
+  bucket (they are short).
+* Broadcast queries (seed pooling: the same Nq learned queries for every example, long keys):
+  the keys are bucketed by length and each tile scores them against the shared queries.
+
+No key mask is applied anywhere: padded key slots are zeros, their scores are 0 and act(0) = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gem.ops.activations import apply_per_head
+from gem.ops.common import BucketPlan, from_slots, offsets_of, plan_buckets, to_slots
+
+
+def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: torch.Tensor | None,
+               k_offsets: torch.Tensor, activations: tuple[str, ...], qk_scale: float,
+               window: int | None, broadcast_q: bool, buckets: BucketPlan | None = None,
+               dense_kv: bool = False) -> torch.Tensor:
+    """dense_kv: k, v are [B, n, H, dh] (every example has n keys), else jagged [ΣLk, H, dh]."""
+    if broadcast_q:
+        return _broadcast_q(q, k, v, k_offsets, activations, qk_scale, buckets)
+    total_q, H, dh = q.shape
+    if total_q == 0:
+        return q * 0.0  # keeps the graph: empty input, empty gradient
+    plan = plan_buckets(q_offsets, k_offsets) if buckets is None else buckets
+    q_tiles = to_slots(q, plan.q_layout).split(plan.q_sizes)
+    if not dense_kv:
+        k_tiles = to_slots(k, plan.k_layout).split(plan.k_sizes)
+        v_tiles = to_slots(v, plan.k_layout).split(plan.k_sizes)
+    parts = []
+    for i, (bk, qs) in enumerate(zip(plan.buckets, q_tiles)):
+        n = bk.size
+        qt = qs.view(n, bk.q_len, H, dh).transpose(1, 2)  # [n, H, Tq, dh]
+        if dense_kv:  # short per-example keys: gather this bucket's examples
+            kt, vt = (x.index_select(0, bk.examples).transpose(1, 2) for x in (k, v))  # [n, H, Tk, dh]
+        else:
+            kt, vt = (x[i].view(n, bk.k_len, H, dh).transpose(1, 2) for x in (k_tiles, v_tiles))
+        s = torch.matmul(qt, kt.transpose(-1, -2))  # [n, H, Tq, Tk]
+        if window is not None:
+            i_ = torch.arange(bk.q_len, device=s.device)[:, None]
+            j_ = torch.arange(bk.k_len, device=s.device)[None, :]
+            s = s.masked_fill((i_ - j_).abs() > window, 0.0)
+        p = apply_per_head(s, activations, head_dim=1)
+        if qk_scale != 1.0:
+            p = p * qk_scale
+        o = torch.matmul(p, vt)  # [n, H, Tq, dh]
+        parts.append(o.transpose(1, 2).reshape(n * bk.q_len, H, dh))
+    return from_slots(torch.cat(parts) if len(parts) > 1 else parts[0], plan.q_layout)
+
+
+def _broadcast_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: torch.Tensor,
+                 activations: tuple[str, ...], qk_scale: float, buckets: BucketPlan | None) -> torch.Tensor:
+    """q: [Nq, H, dh] shared by all examples; k, v: [ΣLk, H, dh] -> [B, Nq, H, dh]."""
+    Nq, H, dh = q.shape
+    B = k_offsets.numel() - 1
+    if buckets is None:
+        # Nominal query segments of length Nq, so the cost model is n · Nq · Tk.
+        q_offsets = offsets_of(torch.full((B,), Nq, dtype=torch.int64, device=k_offsets.device))
+        buckets = plan_buckets(q_offsets, k_offsets)
+    plan = buckets
+    k_tiles = to_slots(k, plan.k_layout).split(plan.k_sizes)
+    v_tiles = to_slots(v, plan.k_layout).split(plan.k_sizes)
+    qt = q.permute(1, 2, 0)  # [H, dh, Nq]
+    parts = []
+    for bk, ks, vs in zip(plan.buckets, k_tiles, v_tiles):
+        n = bk.size
+        kt, vt = (x.view(n, bk.k_len, H, dh).transpose(1, 2) for x in (ks, vs))  # [n, H, Tk, dh]
+        s = torch.matmul(kt, qt)  # [n, H, Tk, Nq]: keys along rows
+        p = apply_per_head(s, activations, head_dim=1)
+        if qk_scale != 1.0:
+            p = p * qk_scale
+        parts.append(torch.matmul(p.transpose(-1, -2), vt).transpose(1, 2))  # [n, Nq, H, dh]
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]  # [B, Nq, H, dh] in tile order
+    order = plan.examples
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return out.index_select(0, inverse)

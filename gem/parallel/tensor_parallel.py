@@ -1,0 +1,181 @@
+"""Tensor parallelism for MLPs and projections, in plain PyTorch (Megatron-LM's column/row split).
+
+    y = fc2(act(fc1(x)))        fc1: ColumnParallelLinear  (rows of W1 split: each rank owns d_h/tp outputs)
+                                fc2: RowParallelLinear     (columns of W2 split: partial sums all-reduced)
+
+Per MLP: one all-reduce of the output in forward and one of the input gradient in backward, both
+inside the tensor-parallel group (inside one node, see plan.py). The elementwise activation
+between the two needs no communication.
+
+Gradient convention (Megatron's, unlike gem/parallel/functional.py): every tp rank ends backward
+holding the true gradient of the loss for its shard and for every replicated parameter, because the
+tp ranks of a group see identical inputs and compute the identical loss. So tensor parallelism adds
+nothing to the gradient sync: the data group (plan.py) excludes tp.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient in backward (the input fans out to every shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward (sum of partial products); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+
+def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+    """Megatron's attributes: DeepSpeed's gradient-norm clipping counts such a parameter on every tp rank
+    (each holds a different shard) and a replicated one only on tp rank 0."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., shard] = x W[shard]^T + b[shard]: this rank's out_features/tp output columns."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group, gather_output: bool = False):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        if out_features % tp:
+            raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
+        self.in_features, self.out_features, self.group, self.gather_output = in_features, out_features, group, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
+        _mark_sharded(self.weight, 0)
+        if self.bias is not None:
+            _mark_sharded(self.bias, 0)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, *, gather_output: bool = False) -> "ColumnParallelLinear":
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                  gather_output=gather_output).to(linear.weight.device, linear.weight.dtype)
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight.chunk(tp, dim=0)[r])
+            if linear.bias is not None:
+                mod.bias.copy_(linear.bias.chunk(tp, dim=0)[r])
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(_CopyToRegion.apply(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        return _GatherFromRegion.apply(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x[..., shard] W[:, shard]^T + b: input split by features, output all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        if in_features % tp:
+            raise ValueError(f"in_features={in_features} is not divisible by tp={tp}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # replicated, added once
+        _mark_sharded(self.weight, 1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group) -> "RowParallelLinear":
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  group=group).to(linear.weight.device, linear.weight.dtype)
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight.chunk(tp, dim=1)[r])
+            if linear.bias is not None:
+                mod.bias.copy_(linear.bias)
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromRegion.apply(F.linear(x, self.weight), self.group)  # [..., out]
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}"
+
+
+# ---------------------------------------------------------------------------- plans
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+def default_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
+    """Column/row pairs for every MLP-shaped module: children `fc1` and `fc2` that are nn.Linear.
+
+    fc1's outputs (the hidden width) must be divisible by tp; narrower MLPs are left whole.
+    """
+    plan: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        fc1, fc2 = getattr(mod, "fc1", None), getattr(mod, "fc2", None)
+        if isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear) and fc1.out_features % tp == 0 \
+                and fc2.in_features == fc1.out_features:
+            prefix = f"{name}." if name else ""
+            plan[f"{prefix}fc1"], plan[f"{prefix}fc2"] = COLWISE, ROWWISE
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, group, plan: Mapping[str, str]) -> list[str]:
+    """Replace the nn.Linear modules named by `plan` (fnmatch patterns -> colwise|rowwise) in place.
+
+    Returns the names replaced. A colwise layer must feed a rowwise one through elementwise ops
+    only: that is what keeps the hidden activations split and the forward to one all-reduce.
+    """
+    done = []
+    for name, mod in list(model.named_modules()):
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None or not isinstance(mod, nn.Linear):
+            continue
+        new = ColumnParallelLinear.from_linear(mod, group) if style == COLWISE else RowParallelLinear.from_linear(mod, group)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        done.append(name)
+    return done

@@ -1,0 +1,93 @@
+"""Matmul precision applied from outside the model: `apply_precision(model, precision)`.
+
+- `fp32`, `bf16`: the model is left alone (bf16 is DeepSpeed's bf16 mode + autocast, see trainer.py).
+- `mxfp8`: every `nn.Linear` whose in and out widths are multiples of 32 (the MX block size) --
+  the attention projections and the MLPs; not the tiny input projections or the 1-wide task
+  heads -- is swapped in place for `MXFP8Linear`, which keeps the same parameters (so
+  DeepSpeed/ZeRO, checkpoints and `model.pt` are unchanged) and computes
+  `x @ W.T` with torchao's MX formats: activations, weights and output gradients are cast to
+  float8_e4m3 in blocks of 32 with an e8m0 (power-of-two) scale per block; the weight gradient
+  is computed in high precision (torchao's MXFP8_RCEIL_WGRAD_WITH_HP recipe), which also
+  lifts the "tokens % 32 == 0" constraint of an MX weight gradient. Inputs arrive in bf16
+  (the trainer runs mxfp8 under bf16 autocast); everything else stays bf16.
+  Kernels: torchao's real MXFP8 GEMMs on GPUs that have them (compute capability >= 10.0,
+  e.g. B200); elsewhere (CPU, H100/H200) the emulated path (quantise -> dequantise -> bf16
+  matmul), which is numerically the same and useful for accuracy checks, not speed.
+
+torchao is optional (the `train` extra pins it); without it `mxfp8` raises a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("gem.train")
+
+MX_BLOCK = 32
+
+
+def mx_kernel_preference(device: torch.device | None = None) -> Any:
+    """AUTO (real kernels) on a GPU with MX tensor cores (sm100+), else EMULATED."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
+        return KernelPreference.AUTO
+    return KernelPreference.EMULATED
+
+
+class MXFP8Linear(nn.Linear):
+    """nn.Linear whose matmul runs in MXFP8 (same parameters, same state dict)."""
+
+    kernel_preference: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        pref = self.kernel_preference or mx_kernel_preference(self.weight.device)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            dtype = torch.bfloat16
+        with torch.autocast(x.device.type, enabled=False):
+            y = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), pref, ScaleCalculationMode.RCEIL, True)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "MXFP8Linear":
+        linear.__class__ = cls  # in place: parameters, hooks and device stay as they are
+        return linear  # type: ignore[return-value]
+
+
+def mx_eligible(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear) and not isinstance(module, MXFP8Linear)
+            and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0)
+
+
+def apply_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Prepare `model` for `precision` (fp32 | bf16 | mxfp8), in place; returns it."""
+    precision = str(getattr(precision, "value", precision))
+    if precision in ("fp32", "bf16"):
+        return model
+    if precision != "mxfp8":
+        raise ValueError(f"unknown training.precision {precision!r}: use fp32, bf16 or mxfp8")
+    try:
+        import torchao  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("training.precision mxfp8 needs torchao: pip install 'gem-platform[train]' "
+                           "(or pip install torchao)") from e
+    swapped = [name for name, m in model.named_modules() if mx_eligible(m)]
+    for name, m in model.named_modules():
+        if name in swapped:
+            MXFP8Linear.from_linear(m)
+    skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in swapped
+               and not isinstance(m, MXFP8Linear)]
+    log.info("mxfp8: %d linear layers in MXFP8 (%s); %d kept in bf16 (widths not multiples of %d: %s)",
+             len(swapped), ", ".join(swapped[:8]) + ("..." if len(swapped) > 8 else ""), len(skipped), MX_BLOCK,
+             ", ".join(skipped[:8]))
+    return model

@@ -1,0 +1,95 @@
+"""The eval report (gem/eval/report.py) and its MLflow side: artifact + model registry."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from gem.api.types import SyntheticDataSpec
+from gem.data import build_splits
+from gem.eval.report import build_eval_report, write_eval_report
+
+
+def oracle_parts(ex, ranks=2):
+    """What the trainer gathers: one dict per rank, in rank order (= eval split order)."""
+    rng = np.random.default_rng(0)
+    cols = {"click": ex.click, "conversion": ex.conversion, "p_click": ex.p_click, "p_conversion": ex.p_conversion,
+            "pred_click": ex.p_click, "pred_conversion": np.clip(ex.p_conversion + rng.normal(0, 0.05, len(ex)),
+                                                                  0.01, 0.99).astype(np.float32)}
+    return [{k: v[i] for k, v in cols.items()} for i in np.array_split(np.arange(len(ex)), ranks)]
+
+
+def test_report_json_and_png(tmp_path):
+    _, ev = build_splits(SyntheticDataSpec(num_users=300, num_ads=80, num_train_examples=10, num_eval_examples=6000))
+    paths = write_eval_report(oracle_parts(ev), ev, tmp_path / "r", metrics={"ne": 0.9, "auc/x": float("nan")},
+                              step=7)
+    js, png = paths
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rep = json.loads(js.read_text())
+    assert rep["step"] == 7 and rep["numExamples"] == 6000 and rep["metrics"] == {"ne": 0.9, "auc/x": None}
+    click = rep["tasks"]["click"]
+    assert click["ne"] == pytest.approx(click["bayesNe"])  # predictions = true probabilities
+    assert set(click["bySurface"]) == {"0", "1"}
+    assert sum(s["n"] for s in click["bySurface"].values()) == 6000
+    assert click["bySurface"]["1"]["bayesNe"] == pytest.approx(click["bySurface"]["1"]["ne"])
+    # an oracle is calibrated: every bin's observed rate is near its mean prediction
+    for b in click["calibrationCurve"]:
+        assert abs(b["meanLabel"] - b["meanPred"]) < 0.06
+    conv = rep["tasks"]["conversion"]
+    assert conv["n"] == int(ev.click.sum()) and conv["ne"] > conv["bayesNe"]  # noisy predictions lose
+
+
+def test_report_without_true_probabilities():
+    _, ev = build_splits(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=500))
+    parts = oracle_parts(ev, ranks=1)
+    parts[0]["p_click"] = np.full(500, np.nan, np.float32)
+    rep = build_eval_report(parts, ev)
+    assert rep["tasks"]["click"]["bayesNe"] is None and rep["tasks"]["click"]["ne"] is not None
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    saved = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP", "GEM_REGISTERED_MODEL_NAME"):
+        os.environ.pop(var, None)
+    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
+    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_trainer_logs_the_report_and_registers_the_model(tmp_path, clean_env):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from gem import cli
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "reported"},
+           "spec": {"model": {"preset": "tiny"},
+                    "data": {"synthetic": {"numUsers": 100, "numAds": 64, "numTrainExamples": 512,
+                                           "numEvalExamples": 400, "meanHistoryLen": 8}},
+                    "training": {"steps": 6, "batchSize": 32, "warmupSteps": 1},
+                    "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 100},
+                    "mlflow": {"enabled": True, "experiment": "gem-report"}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    try:
+        assert cli.main(["train", "--config", str(path)]) == 0
+        report = json.loads((tmp_path / "termination-log").read_text())
+        client = MlflowClient(uri)
+        run_id = report["mlflowRunId"]
+        assert {a.path for a in client.list_artifacts(run_id, "eval")} == {"eval/eval_report.json",
+                                                                            "eval/eval_report.png"}
+        local = tmp_path / "ckpt/local/reported/reports/step-00000006/eval_report.json"
+        assert json.loads(local.read_text())["tasks"]["click"]["bayesNe"] is not None
+        versions = client.search_model_versions("name='gem-report'")
+        assert len(versions) == 1 and versions[0].run_id == run_id and versions[0].source.endswith("/checkpoint")
+        assert client.get_run(run_id).data.tags["gem.dev/registeredModel"] == "gem-report/1"
+    finally:
+        mlflow.set_tracking_uri(None)

@@ -1,0 +1,148 @@
+"""The whole Kunlun model (tiny): reference vs tiled kernels, batch independence, CompSkip,
+FLOP counts against PyTorch's own counter, bf16, and the baselines."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from gem.api.types import SyntheticDataSpec
+from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel
+from gem.data import build_splits, make_batch
+from gem.modules import PRESETS, KunlunModel, from_v1_batch, set_kernel
+from gem.modules.attention import BlockAttentionLayer
+from gem.ops import Kernel
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8))
+    return from_v1_batch(make_batch(train, np.arange(6), max_seq_len=CFG.tiers[0].max_seq_len))
+
+
+def _model(cfg=CFG, seed=0, cls=KunlunModel):
+    torch.manual_seed(seed)
+    return cls(cfg)
+
+
+def _select(inputs, b):
+    """Example b of a GemInputs batch, as a batch of one."""
+    from gem.modules.inputs import EventSequence, GemInputs
+    from gem.ops.testing import make_offsets
+
+    def sl(values, offsets):
+        return values[int(offsets[b]):int(offsets[b + 1])]
+
+    seqs = {k: EventSequence(make_offsets([int(s.offsets[b + 1] - s.offsets[b])]), sl(s.timestamps, s.offsets),
+                             {t: sl(i, s.offsets) for t, i in s.ids.items()}, sl(s.surface, s.offsets))
+            for k, s in inputs.sequences.items()}
+    sparse = {k: (sl(ids, off), make_offsets([int(off[b + 1] - off[b])])) for k, (ids, off) in inputs.sparse.items()}
+    return GemInputs(inputs.request_time[b:b + 1], inputs.surface[b:b + 1], sparse, inputs.dense[b:b + 1], seqs)
+
+
+def test_reference_and_tiled_kernels_agree_on_outputs_and_gradients(batch):
+    fast = _model()
+    ref = set_kernel(copy.deepcopy(fast), Kernel.PYTORCH)
+    out_f, out_r = fast(batch), ref(batch)
+    for t in out_f:
+        torch.testing.assert_close(out_f[t], out_r[t], atol=1e-5, rtol=1e-4)
+    fast.loss(batch)[0].backward()
+    ref.loss(batch)[0].backward()
+    for (n, pf), (_, pr) in zip(fast.named_parameters(), ref.named_parameters()):
+        if pf.grad is not None or pr.grad is not None:
+            torch.testing.assert_close(pf.grad, pr.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_examples_do_not_see_each_other(batch):
+    model = _model().eval()
+    together = model(batch)
+    for b in range(batch.size):
+        alone = model(_select(batch, b))
+        for t in together:
+            torch.testing.assert_close(together[t][b:b + 1], alone[t], atol=1e-5, rtol=1e-4)
+
+
+def test_compskip_alternates_layers_and_reuses_the_cached_summary(batch):
+    model = _model(dataclasses.replace(CFG, num_layers=4))
+    for i, layer in enumerate(model.layers):
+        even = i % 2 == 0
+        assert (len(layer.hsp) > 0, len(layer.seq_ffn) > 0, len(layer.attn) > 0) == (even, even, not even)
+    produced, consumed = {}, {}
+    for i, layer in enumerate(model.layers):
+        for name, hsp in layer.hsp.items():
+            hsp.register_forward_hook(lambda m, a, out, i=i, name=name: produced.__setitem__((i, name), out))
+        for name, gate in layer.summary.items():
+            gate.register_forward_hook(lambda m, a, out, i=i, name=name: consumed.__setitem__((i, name), a[0]))
+    model(batch)
+    for t in CFG.tiers:
+        for odd in (1, 3):
+            assert consumed[(odd, t.name)] is produced[(odd - 1, t.name)]  # the very tensor, not a recompute
+    # FLOP count: odd layers have no HSP/PFFN work, even layers no attention.
+    lengths = model.tier_lengths(batch)
+    for i, layer in enumerate(model.layers):
+        f = layer.flops(batch.size, lengths)
+        assert ("hsp" in f and "pffn" in f) == (i % 2 == 0) and ("block_attention" in f) == (i % 2 == 1)
+    off = _model(dataclasses.replace(CFG, num_layers=4, compskip=False))
+    total_on, total_off = sum(model.flops(lengths).values()), sum(off.flops(lengths).values())
+    assert 0.3 < 1 - total_on / total_off < 0.5
+
+
+def test_flop_count_matches_pytorch_flop_counter():
+    """With equal histories that are a multiple of the block, the tiled kernels do no padded work,
+    so the shape-based count must equal what PyTorch's counter sees (matmuls only)."""
+    cfg = dataclasses.replace(CFG, num_layers=2)
+    model = _model(cfg)
+    train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8,
+                                              mean_history_len=64))
+    b = make_batch(train, np.arange(4), max_seq_len=64)
+    # Rewrite the event types so each tier gets exactly 32 events per example (a multiple of block 16).
+    b.seq_offsets = torch.arange(5) * 64
+    b.seq_type = torch.tensor(([0] * 32 + [1] * 32) * 4)
+    b.seq_ad_id, b.seq_campaign_id = torch.arange(256) % 40, torch.arange(256) % 5
+    b.seq_timestamp = torch.arange(256)
+    b.seq_surface = torch.arange(256) % 2
+    inputs = from_v1_batch(b)
+    lengths = model.tier_lengths(inputs)
+    counted = sum(model.flops(lengths).values())
+    # PyTorch's counter has no formula for the CPU flash-attention kernel: leave the attention core out.
+    sdpa = sum(a.attention_flops(lengths[name]) for layer in model.layers for name, a in layer.attn.items())
+    with FlopCounterMode(display=False) as fc:
+        model(inputs)
+    assert fc.get_total_flops() == pytest.approx(counted - sdpa, rel=1e-6)
+
+
+def test_bf16_autocast_is_close_to_fp32(batch):
+    model = _model()
+    want = model(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(batch)
+    for t in want:
+        torch.testing.assert_close(got[t], want[t], atol=0.15, rtol=0.1)
+
+
+def test_padded_baseline_equals_block_attention_when_one_block_holds_everything(batch):
+    """Full attention over a padded history == block attention when every history fits in one block."""
+    big_block = tuple(dataclasses.replace(t, block_size=64) for t in CFG.tiers)
+    cfg = dataclasses.replace(CFG, tiers=big_block)
+    jagged, padded = _model(cfg), _model(cfg, cls=PaddedKunlunModel)
+    padded.load_state_dict(jagged.state_dict())
+    assert any(isinstance(m, BlockAttentionLayer) for m in padded.modules())
+    for t, v in jagged(batch).items():
+        torch.testing.assert_close(padded(batch)[t], v, atol=1e-5, rtol=1e-4)
+    lengths = jagged.tier_lengths(batch)
+    assert sum(padded.flops(lengths).values()) >= sum(jagged.flops(lengths).values())
+
+
+def test_dlrm_baseline_trains_a_step(batch):
+    model = _model(cls=lambda c: DLRMModel(DLRMConfig(base=c)))
+    loss, parts = model.loss(batch)
+    loss.backward()
+    assert set(parts) == {"dwell", "click", "conversion"} and torch.isfinite(loss)
+    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("embeddings.tables"))

@@ -1,0 +1,126 @@
+"""jagged_attention and block_attention (+ time rotary): tiled kernels against the references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from gem.ops import Kernel, block_attention, jagged_attention, plan_blocks, plan_buckets, time_rotary
+from gem.ops.common import bucket_cuts
+from gem.ops.testing import assert_fwd_bwd_close, make_offsets
+
+lengths_st = st.lists(st.integers(0, 150), min_size=1, max_size=6)
+FAST = settings(max_examples=12, deadline=None)
+
+
+def _qkv(total: int, H: int = 2, dh: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, H, dh, generator=g) for _ in range(3)]
+
+
+@FAST
+@given(lengths=lengths_st, seed=st.integers(0, 10_000))
+def test_jagged_attention_matches_reference(lengths, seed):
+    offsets = make_offsets(lengths)
+    q, k, v = _qkv(sum(lengths), seed=seed)
+    assert_fwd_bwd_close(lambda q, k, v: jagged_attention(q, k, v, offsets, kernel=Kernel.PYTORCH),
+                         lambda q, k, v: jagged_attention(q, k, v, offsets, kernel=Kernel.TILED), [q, k, v])
+
+
+def test_jagged_attention_equals_per_sequence_sdpa_and_bf16_is_close():
+    lengths = [1, 37, 200, 64, 0, 5]
+    offsets = make_offsets(lengths)
+    q, k, v = _qkv(sum(lengths), H=4, dh=32)
+    out = jagged_attention(q, k, v, offsets)
+    for b in range(len(lengths)):
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        if hi > lo:
+            want = F.scaled_dot_product_attention(*(x[lo:hi].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+            torch.testing.assert_close(out[lo:hi], want, atol=1e-5, rtol=1e-4)
+    out16 = jagged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), offsets)
+    torch.testing.assert_close(out16.float(), out, atol=3e-2, rtol=3e-2)
+
+
+def test_bucket_plan_covers_every_row_once_and_bounds_padding():
+    lengths = torch.exp(5 + torch.randn(64, generator=torch.Generator().manual_seed(1))).round().clamp(8, 2048)
+    offsets = make_offsets(lengths.long().tolist())
+    plan = plan_buckets(offsets)
+    dst = plan.q_layout.dst
+    assert dst.unique().numel() == dst.numel() == int(offsets[-1]) and int(dst.max()) < plan.q_layout.num_slots
+    assert sorted(plan.examples.tolist()) == list(range(64))
+    padded = sum(bk.size * bk.q_len**2 for bk in plan.buckets)
+    ideal = float((lengths**2).sum())
+    assert padded < 1.5 * ideal + 16384 * len(plan)
+    # With no call overhead the DP puts equal lengths together and nothing else.
+    assert bucket_cuts(torch.tensor([3, 3, 5]).numpy(), torch.tensor([3, 3, 5]).numpy(), overhead=0) == [(0, 2), (2, 3)]
+
+
+@FAST
+@given(lengths=lengths_st, block=st.sampled_from([4, 16, 64]), shift_frac=st.floats(0, 0.99),
+       seed=st.integers(0, 10_000))
+def test_block_attention_matches_reference(lengths, block, shift_frac, seed):
+    offsets = make_offsets(lengths)
+    shift = int(shift_frac * block)
+    q, k, v = _qkv(sum(lengths), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    phase = torch.rand(sum(lengths), generator=g) * 50
+
+    def run(kernel):
+        return lambda q, k, v: block_attention(q, k, v, offsets, block_size=block, shift=shift,
+                                               rotary_phase=phase, kernel=kernel)
+
+    assert_fwd_bwd_close(run(Kernel.PYTORCH), run(Kernel.TILED), [q, k, v])
+
+
+def test_block_attention_is_local_and_full_attention_inside_one_block():
+    lengths = [130, 64, 3]
+    offsets = make_offsets(lengths)
+    q, k, v = _qkv(sum(lengths))
+    out = block_attention(q, k, v, offsets, block_size=64)
+    # A segment no longer than a block: block attention == full attention.
+    lo = 130
+    torch.testing.assert_close(out[lo:lo + 64], jagged_attention(q[lo:lo + 64], k[lo:lo + 64], v[lo:lo + 64],
+                                                                  make_offsets([64])), atol=1e-5, rtol=1e-4)
+    # Changing a key in block 1 of segment 0 leaves block 0 and block 2 untouched.
+    k2 = k.clone()
+    k2[70] += 5.0
+    out2 = block_attention(q, k2, v, offsets, block_size=64)
+    assert torch.equal(out2[:64], out[:64]) and torch.equal(out2[128:], out[128:])
+    assert not torch.allclose(out2[64:128], out[64:128])
+
+
+def test_block_plan_pads_only_to_a_block_multiple():
+    offsets = make_offsets([1, 64, 65, 0, 200])
+    plan = plan_blocks(offsets, 64)
+    assert plan.num_blocks == 1 + 1 + 2 + 0 + 4
+    assert plan.block_segment.tolist() == [0, 1, 2, 2, 4, 4, 4, 4]
+    shifted = plan_blocks(offsets, 64, shift=32)
+    assert shifted.num_blocks == 1 + 2 + 2 + 0 + 4
+
+
+def test_time_rotary_matches_reference_keeps_norms_and_is_relative():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 2, 16, generator=g)
+    phase = torch.rand(10, generator=g) * 100
+    assert_fwd_bwd_close(lambda x, p: time_rotary(x, p, kernel=Kernel.PYTORCH),
+                         lambda x, p: time_rotary(x, p, kernel=Kernel.TILED), [x, phase], atol=1e-4)
+    y = time_rotary(x, phase)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    # Shifting every phase by the same amount leaves all q·k scores unchanged.
+    q, k = time_rotary(x, phase), time_rotary(x.flip(0), phase)
+    q2, k2 = time_rotary(x, phase + 7.0), time_rotary(x.flip(0), phase + 7.0)
+    torch.testing.assert_close(torch.einsum("ihd,jhd->hij", q, k), torch.einsum("ihd,jhd->hij", q2, k2),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_dispatchers_reject_bad_shapes():
+    q, k, v = _qkv(10)
+    with pytest.raises(Exception, match="offsets"):
+        jagged_attention(q, k, v, make_offsets([3, 3]))
+    with pytest.raises(Exception, match="same shape"):
+        block_attention(q, k[:5], v, make_offsets([10]))
+    with pytest.raises(ValueError, match="shift"):
+        block_attention(q, k, v, make_offsets([10]), block_size=4, shift=4)

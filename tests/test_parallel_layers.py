@@ -1,0 +1,259 @@
+"""The parallel building blocks against their single-device originals (gloo processes, fp32).
+
+Gradient convention (gem/parallel/functional.py): with exact-adjoint collectives, the true gradient
+of a replicated tensor is the mean over the ranks that computed the same loss, and of a shard its
+own gradient divided by that count; tensor parallelism (Megatron) leaves the true gradient on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from gem.model.jagged import jagged_attention
+from gem.parallel.context_parallel import balanced_split, cp_jagged_attention, split_tokens
+from gem.parallel.expert_parallel import ExpertParallel
+from gem.parallel.sharded_embedding import RowShardedEmbedding
+from gem.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from gem.parallel.testing import run_distributed
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp32, only the order of summation differs: relative 1e-5, absolute 1e-6 of the tensor's scale."""
+    scale = max(1.0, b.abs().max().item()) if b.numel() else 1.0
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+
+def _tp(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(6, 8), nn.Linear(8, 5)
+    x = torch.randn(3, 4, 6)
+    w = torch.randn(3, 4, 5)
+    xr = x.clone().requires_grad_()
+    ref = fc2(F.gelu(fc1(xr)))
+    (ref * w).sum().backward()
+
+    group = dist.group.WORLD
+    col, row = ColumnParallelLinear.from_linear(fc1, group), RowParallelLinear.from_linear(fc2, group)
+    xp = x.clone().requires_grad_()
+    out = row(F.gelu(col(xp)))
+    (out * w).sum().backward()
+    gathered = ColumnParallelLinear.from_linear(fc1, group, gather_output=True)(x)
+    return {
+        "out": _close(out, ref), "gather_output": _close(gathered, fc1(x)), "x_grad": _close(xp.grad, xr.grad),
+        "w1": _close(col.weight.grad, fc1.weight.grad.chunk(world, 0)[rank]),
+        "b1": _close(col.bias.grad, fc1.bias.grad.chunk(world, 0)[rank]),
+        "w2": _close(row.weight.grad, fc2.weight.grad.chunk(world, 1)[rank]),
+        "b2": _close(row.bias.grad, fc2.bias.grad),
+    }
+
+
+def test_tensor_parallel_mlp_equals_unsplit_linears():
+    for res in run_distributed(_tp, 2):
+        assert all(res.values()), res
+
+
+# ---------------------------------------------------------------------------- expert parallel
+
+
+class Ensemble(nn.Module):
+    def __init__(self, d: int, d_out: int, num: int, combine: str):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, d_out), nn.Tanh()) for _ in range(num))
+        self.expert_combine = combine
+
+    def forward(self, x):
+        outs = [e(x) for e in self.experts]
+        return torch.cat(outs, -1) if self.expert_combine == "concat" else torch.stack(outs).sum(0) / (
+            len(outs) if self.expert_combine == "mean" else 1)
+
+
+def _ep(rank: int, world: int, combine: str) -> dict:
+    torch.manual_seed(0)
+    ens = Ensemble(4, 3, num=4, combine=combine)
+    sizes = [2 + r for r in range(world)]  # EP ranks hold different numbers of examples
+    xs = [torch.randn(n, 2, 4) for n in sizes]
+    width = 12 if combine == "concat" else 3
+    ws = [torch.randn(n, 2, width) for n in sizes]
+    x_all = torch.cat(xs).requires_grad_()
+    (ens(x_all) * torch.cat(ws)).sum().backward()  # reference: the sum of every rank's loss
+    ref_x_grad = x_all.grad.split(sizes)[rank]
+
+    ep = ExpertParallel(ens, dist.group.WORLD)
+    x = xs[rank].clone().requires_grad_()
+    y = ep(x)
+    (y * ws[rank]).sum().backward()
+    per = len(ens.experts) // world
+    grads_ok = all(_close(p.grad, q.grad) for local, full in zip(ep.experts, ens.experts[rank * per:(rank + 1) * per])
+                   for p, q in zip(local.parameters(), full.parameters()))
+    return {"out": _close(y, ens(xs[rank])), "x_grad": _close(x.grad, ref_x_grad), "expert_grads": grads_ok}
+
+
+def test_expert_parallel_equals_the_whole_ensemble():
+    for combine in ("concat", "sum", "mean"):
+        for res in run_distributed(_ep, 2, combine):
+            assert all(res.values()), (combine, res)
+
+
+# ---------------------------------------------------------------------------- sharded embedding
+
+
+def _emb(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    table = nn.Embedding(37, 3)  # 37 rows: the last shard is short
+    ids = [torch.randint(0, 37, (r + 1, 5)) for r in range(world)]  # different ids (and counts) per rank
+    ws = [torch.randn(r + 1, 5, 3) for r in range(world)]
+    sum(((table(i) * w).sum() for i, w in zip(ids, ws))).backward()
+
+    sharded = RowShardedEmbedding.from_embedding(table, dist.group.WORLD)
+    out = sharded(ids[rank])
+    (out * ws[rank]).sum().backward()
+    lo = sharded.row_offset
+    empty = sharded(torch.zeros(0, dtype=torch.int64))
+    return {"lookup": torch.equal(out, table(ids[rank])),
+            "grad": _close(sharded.weight.grad, table.weight.grad[lo:lo + sharded.weight.shape[0]]),
+            "empty": empty.shape == (0, 3)}
+
+
+def test_sharded_embedding_returns_the_same_rows_as_one_table():
+    for res in run_distributed(_emb, 4):
+        assert all(res.values()), res
+
+
+# ---------------------------------------------------------------------------- context parallel
+
+
+def _cp_attention(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    lengths = torch.tensor([0, 1, 5, 17, 2, 9])  # an empty history and one shorter than cp
+    offsets = torch.zeros(7, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    q = torch.randn(6, 3, 2, 4)
+    k, v = torch.randn(int(offsets[-1]), 2, 4), torch.randn(int(offsets[-1]), 2, 4)
+    w = torch.randn(6, 3, 2, 4)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = jagged_attention(qr, kr, vr, offsets)
+    (ref * w).sum().backward()
+
+    pos, local_offsets = split_tokens(offsets, world, rank)
+    qp, kp, vp = q.clone().requires_grad_(), k[pos].clone().requires_grad_(), v[pos].clone().requires_grad_()
+    out = cp_jagged_attention(qp, kp, vp, local_offsets, dist.group.WORLD)
+    (out * w).sum().backward()
+    q_grad = qp.grad.clone()
+    dist.all_reduce(q_grad)
+    return {"out": _close(out, ref), "q_grad": _close(q_grad / world, qr.grad),
+            "k_grad": _close(kp.grad / world, kr.grad[pos]), "v_grad": _close(vp.grad / world, vr.grad[pos]),
+            "pos": pos.tolist()}
+
+
+def test_context_parallel_attention_over_split_tokens_is_exact():
+    results = run_distributed(_cp_attention, 3)
+    for res in results:
+        assert all(v for k, v in res.items() if k != "pos"), res
+    covered = sorted(p for r in results for p in r["pos"])
+    assert covered == list(range(34))  # every token on exactly one rank
+
+
+def test_balanced_split_balances_tokens_and_is_deterministic():
+    lengths = torch.tensor([100, 1, 1, 50, 49, 3, 2, 0])
+    parts = balanced_split(lengths, 2)
+    assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    loads = [int((lengths[p] + 1).sum()) for p in parts]
+    assert max(loads) - min(loads) <= 3
+    assert all(torch.equal(a, b) for a, b in zip(parts, balanced_split(lengths, 2)))
+    assert [p.tolist() for p in balanced_split(torch.tensor([5]), 3)] == [[0], [], []]
+
+
+def _stacked(rank: int, world: int) -> dict:
+    from gem.modules.mowe import MixtureOfWukongExperts
+    from gem.parallel.expert_parallel import apply_expert_parallel
+
+    torch.manual_seed(0)
+    mowe = MixtureOfWukongExperts(num_in=6, num_out=5, dim=4, num_experts=4, expert_tokens=4, rank=2, hidden=8)
+    sizes = [1 + 2 * r for r in range(world)]
+    zs = [torch.randn(n, 6, 4) for n in sizes]
+    ws = [torch.randn(n, 5, 4) for n in sizes]
+    z_all = torch.cat(zs).requires_grad_()
+    (mowe(z_all) * torch.cat(ws)).sum().backward()
+    ref = {k: p.grad.clone() for k, p in mowe.named_parameters()}
+    ref_out = mowe(zs[rank]).detach()
+    ref_z = z_all.grad.split(sizes)[rank]
+
+    holder = nn.Module()
+    holder.mowe = mowe
+    mowe.zero_grad()
+    assert apply_expert_parallel(holder, dist.group.WORLD) == ["mowe"]
+    z = zs[rank].clone().requires_grad_()
+    out = holder.mowe(z)
+    (out * ws[rank]).sum().backward()
+    sl = mowe.expert_slice(rank, world, 4)
+    ok = {"out": _close(out, ref_out), "z_grad": _close(z.grad, ref_z)}
+    for name, p in mowe.named_parameters():
+        if name.startswith("combine_proj"):
+            g = p.grad.clone()
+            dist.all_reduce(g)  # dense: each rank holds its examples' part
+            ok[name] = _close(g, ref[name])
+        else:
+            ok[name] = p.shape[0] == 2 and _close(p.grad, ref[name][sl])
+    return ok
+
+
+def test_stacked_wukong_experts_split_over_ep_ranks():
+    for res in run_distributed(_stacked, 2):
+        assert all(res.values()), res
+
+
+def _bags(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 3)
+    ids = torch.randint(0, 50, (9,))
+    offsets = torch.tensor([0, 2, 2, 7, 9])  # a bag of zero ids included
+    sharded = RowShardedEmbedding.from_embedding(table, dist.group.WORLD)
+    return {mode: _close(sharded(ids, offsets, mode), F.embedding_bag(ids, table.weight, offsets[:-1], mode=mode))
+            for mode in ("sum", "mean")}
+
+
+def test_sharded_embedding_bags_pool_like_embedding_bag():
+    for res in run_distributed(_bags, 2):
+        assert all(res.values()), res
+
+
+def test_select_examples_agrees_for_both_batch_layouts():
+    import dataclasses
+
+    import numpy as np
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data import build_splits, make_batch
+    from gem.modules.inputs import from_v1_batch
+    from gem.parallel.context_parallel import example_costs, select_examples
+
+    train, _ = build_splits(SyntheticDataSpec(num_train_examples=64, num_eval_examples=8))
+    batch = make_batch(train, np.arange(12), max_seq_len=32)
+    index = torch.tensor([0, 3, 4, 11])
+    sub = select_examples(batch, index)
+    assert torch.equal(sub.seq_offsets.diff(), batch.seq_offsets.diff()[index])
+    assert torch.equal(sub.user_id, batch.user_id[index])
+    lo, hi = int(batch.seq_offsets[3]), int(batch.seq_offsets[4])
+    assert torch.equal(sub.seq_ad_id[int(sub.seq_offsets[1]):int(sub.seq_offsets[2])], batch.seq_ad_id[lo:hi])
+
+    inputs = from_v1_batch(batch)
+    assert torch.equal(example_costs(inputs), example_costs(batch))  # the same events, split by type
+
+    def flat(x):
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, dict):
+            return [t for k in sorted(x) for t in flat(x[k])]
+        if isinstance(x, tuple):
+            return [t for v in x for t in flat(v)]
+        if dataclasses.is_dataclass(x):
+            return [t for f in dataclasses.fields(x) for t in flat(getattr(x, f.name))]
+        return []
+
+    got, want = flat(select_examples(inputs, index)), flat(from_v1_batch(sub))
+    assert len(got) == len(want) > 10 and all(torch.equal(a, b) for a, b in zip(got, want))

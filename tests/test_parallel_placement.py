@@ -1,0 +1,187 @@
+"""Placement annotations/affinity on the rendered PyTorchJob, reading back where ranks landed, and the
+communication model behind benchmarks/parallel.py. Torch-free."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gem.api.render import render_pytorchjob
+from gem.api.types import GEMTraining
+from gem.parallel.comm_model import Workload, cross_block_bytes, level_totals, shuffled_nodes, step_bytes
+from gem.parallel.placement import (
+    KUEUE_GROUP,
+    KUEUE_PREFERRED,
+    KUEUE_REQUIRED,
+    KUEUE_SLICE_REQUIRED,
+    KUEUE_SLICE_SIZE,
+    PlacementMode,
+    apply_placement,
+    guaranteed_topology,
+    node_rank_of,
+    placement_violations,
+    rank_placement,
+    summarize_placement,
+)
+from gem.parallel.plan import ParallelPlan
+from gem.parallel.topology import NodePool, Topology
+
+BLOCK = "cloud.provider.com/topology-block"
+ZONE = "topology.kubernetes.io/zone"
+
+
+def training(num_nodes: int, procs: int = 8) -> GEMTraining:
+    return GEMTraining.model_validate({
+        "apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining",
+        "metadata": {"name": "big", "namespace": "ads", "uid": "u1"},
+        "spec": {"parallelism": {"numNodes": num_nodes, "procsPerNode": procs, "topology": {"levels": [BLOCK, ZONE]}}},
+    })
+
+
+def topo_for(obj: GEMTraining, block=32, zone=64) -> Topology:
+    return Topology.from_spec(obj.spec.parallelism, NodePool(nodes_per_domain={BLOCK: block, ZONE: zone}))
+
+
+def test_kueue_slices_blocks_inside_a_zone():
+    obj = training(64)
+    job = apply_placement(render_pytorchjob(obj), topo_for(obj), "kueue", selector={"gem.dev/name": "big"})
+    for rtype in ("Master", "Worker"):
+        ann = job["spec"]["pytorchReplicaSpecs"][rtype]["template"]["metadata"]["annotations"]
+        assert ann == {KUEUE_GROUP: job["metadata"]["name"], KUEUE_REQUIRED: ZONE,
+                       KUEUE_SLICE_REQUIRED: BLOCK, KUEUE_SLICE_SIZE: "32"}
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 63
+
+
+def test_kueue_job_inside_one_block_needs_no_slices():
+    obj = training(16)
+    ann = apply_placement(render_pytorchjob(obj), topo_for(obj), PlacementMode.kueue, selector={})[
+        "spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"]
+    assert ann == {KUEUE_GROUP: "big-train", KUEUE_REQUIRED: BLOCK}
+
+
+def test_kueue_job_larger_than_every_level_prefers_the_outermost():
+    obj = training(256)
+    ann = apply_placement(render_pytorchjob(obj), topo_for(obj), "kueue", selector={})[
+        "spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]["annotations"]
+    assert ann[KUEUE_PREFERRED] == ZONE and ann[KUEUE_SLICE_REQUIRED] == BLOCK and KUEUE_REQUIRED not in ann
+
+
+def test_affinity_requires_the_whole_job_level_and_prefers_inner_levels():
+    obj = training(64)
+    job = apply_placement(render_pytorchjob(obj), topo_for(obj), "affinity", selector={"gem.dev/name": "big"})
+    aff = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["podAffinity"]
+    assert aff["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"labelSelector": {"matchLabels": {"gem.dev/name": "big"}}, "topologyKey": ZONE}]
+    assert [t["podAffinityTerm"]["topologyKey"] for t in aff["preferredDuringSchedulingIgnoredDuringExecution"]] == [BLOCK]
+    # nothing else in the pod spec changed
+    plain = render_pytorchjob(obj)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert {k: v for k, v in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"].items()
+            if k != "affinity"} == plain
+
+
+def test_guaranteed_topology_drops_what_the_placement_cannot_order():
+    obj = training(64)
+    topo = topo_for(obj)
+    assert guaranteed_topology(topo, "kueue") == topo
+    aff = guaranteed_topology(topo, "affinity")
+    assert [lv.name for lv in aff.levels] == ["node", "zone"]
+    assert [lv.name for lv in guaranteed_topology(topo, "none").levels] == ["node", "cluster"]
+
+
+def _pods_and_nodes(order: list[int], topo: Topology):
+    """Node rank k runs on physical node order[k]; nodes are labelled by block/zone of their slot."""
+    nodes, pods = [], []
+    for slot in range(topo.num_nodes):
+        nodes.append({"metadata": {"name": f"n{slot}", "labels": {
+            BLOCK: f"b{slot // topo.nodes_per_domain(topo.level('block'))}",
+            ZONE: f"z{slot // topo.nodes_per_domain(topo.level('zone'))}"}}})
+    for k, slot in enumerate(order):
+        rtype, idx = ("master", 0) if k == 0 else ("worker", k - 1)
+        pods.append({"metadata": {"name": f"big-train-{rtype}-{idx}", "labels": {
+            "training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(idx)}},
+            "spec": {"nodeName": f"n{slot}"}})
+    return pods, nodes
+
+
+def test_rank_placement_and_violations():
+    obj = training(8, procs=4)
+    topo = topo_for(obj, block=2, zone=4)
+    plan = ParallelPlan(world_size=32, dp_shard=-1, ep=2, cp=1, tp=4)  # ep group = 2 nodes = one block
+    pods, nodes = _pods_and_nodes(list(range(8)), topo)
+    placed = rank_placement(pods, nodes, topology=topo)
+    assert [e["nodeRank"] for e in placed] == list(range(8))
+    assert placed[3] == {"nodeRank": 3, "pod": "big-train-worker-2", "node": "n3", "ranks": [12, 15],
+                         "domains": {"node": "n3", "block": "b1", "zone": "z0"}}
+    assert placement_violations(plan, topo, placed) == []
+    assert summarize_placement(placed, topo)["block"] == {"b0": "0-1", "b1": "2-3", "b2": "4-5", "b3": "6-7"}
+
+    pods, nodes = _pods_and_nodes([0, 2, 1, 3, 4, 5, 6, 7], topo)  # node ranks 1 and 2 swapped blocks
+    bad = placement_violations(plan, topo, rank_placement(pods, nodes, topology=topo))
+    assert bad == ["8 of 16 ep groups span more than one block domain (e.g. ranks 0..4 on b0, b1); "
+                   "ep groups must stay in one"]
+    assert json.dumps(summarize_placement(rank_placement(pods, nodes, topology=topo), topo))  # status-ready
+
+
+def test_node_rank_of_ignores_other_pods():
+    assert node_rank_of({"metadata": {"labels": {}}}) is None
+    assert node_rank_of({"metadata": {"labels": {"training.kubeflow.org/replica-type": "Worker",
+                                                 "training.kubeflow.org/replica-index": "4"}}}) == 5
+
+
+# ---------------------------------------------------------------------------- communication model
+
+
+def test_ring_bytes_per_level_small_case():
+    # 2 nodes x 2 ranks, one dp_shard group over all 4 ranks: ring 0->1->2->3->0
+    topo = Topology.build(procs_per_node=2, num_nodes=2)
+    plan = ParallelPlan(world_size=4, zero_stage=1)
+    work = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
+    per = step_bytes(plan, topo, work)
+    s = 1000 * 2  # bf16 bytes of the model
+    # reduce-scatter + all-gather, each (n-1)/n * S per rank-link: links 0-1, 2-3 on NVLink, 1-2, 3-0 across nodes
+    assert per["dp_shard/reduce_scatter_grads"] == pytest.approx({"node": 2 * 0.75 * s, "cluster": 2 * 0.75 * s})
+    assert level_totals(per) == pytest.approx({"node": 3 * s, "cluster": 3 * s})
+
+
+def test_topology_aware_plan_moves_fewer_cross_block_bytes():
+    topo = Topology.simulated(num_gpus=256, gpus_per_node=8, nodes_per_level=[("block", 8)])
+    aware = ParallelPlan(world_size=256, dp_replicate=4, dp_shard=32, ep=2, tp=2, zero_stage=3)
+    flat = ParallelPlan(world_size=256, dp_replicate=1, dp_shard=128, ep=2, tp=2, sparse_shard=128, zero_stage=3)
+    work = Workload(dense_params=10**8, num_experts=4, expert_params=10**7, examples_per_rank=64, tokens_per_example=128)
+    chosen = cross_block_bytes(step_bytes(aware, topo, work), topo)
+    blind = cross_block_bytes(step_bytes(flat, topo, work, node_order=shuffled_nodes(topo.num_nodes)), topo)
+    assert 0 < chosen < blind / 10
+    # the per-collective split: tp stays on NVLink, only dp_replicate leaves the block
+    per = step_bytes(aware, topo, work)
+    assert set(per["tp/all_reduce_activations"]) == {"node"}
+    assert set(per["dp_replicate/all_reduce_grads"]) == {"cluster"}
+
+
+def test_benchmark_writes_the_ratio(tmp_path):
+    from benchmarks.parallel import main
+
+    out = tmp_path / "parallel.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["cross_block_bytes_ratio"] > 1
+    cluster = doc["clusters"][0]
+    assert cluster["topology"]["levels"][1]["nodes"] == 32 and cluster["topology"]["numNodes"] == 128
+    assert set(cluster["chosen"]["bytes"]) >= {"dp_shard/all_gather_params", "dp_replicate/all_reduce_grads"}
+    assert (tmp_path / "parallel.png").stat().st_size > 0
+
+
+def test_topology_env_round_trips_into_the_trainer_plan():
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import plan_for_job
+    from gem.parallel.placement import topology_env
+    from gem.parallel.plan import ModelShapeHints
+
+    obj = training(64)
+    nodes = [{"metadata": {"name": f"n{i}", "labels": {BLOCK: f"b{i // 40}", ZONE: "z0"}}} for i in range(80)]
+    entry = topology_env(NodePool.from_nodes(nodes, [BLOCK, ZONE]).nodes_per_domain, "kueue")
+    job = plan_for_job(obj.spec.parallelism, TrainingSpec(), world_size=512, procs_per_node=8,
+                       hints=ModelShapeHints(), env={entry["name"]: entry["value"]})
+    assert [(lv.name, lv.size) for lv in job.topology.levels] == [("node", 8), ("block", 256), ("zone", 512),
+                                                                   ("cluster", 512)]
+    assert job.plan.dp_shard == 256 and job.plan.dp_replicate == 2

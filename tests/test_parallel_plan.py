@@ -1,0 +1,227 @@
+"""ParallelPlan, Topology and auto_plan: products, group layout, validation messages, auto rules. Torch-free."""
+
+from __future__ import annotations
+
+import pytest
+
+from gem.api.types import ParallelismSpec
+from gem.parallel.plan import (
+    FLAT_GROUPS,
+    MESH_AXES,
+    ModelShapeHints,
+    ParallelPlan,
+    PlanError,
+    auto_plan,
+)
+from gem.parallel.topology import NodePool, Topology, TopologyError
+
+BLOCK = "cloud.provider.com/topology-block"
+ZONE = "topology.kubernetes.io/zone"
+
+
+def sim(gpus=1024, per_node=8, levels=(("block", 32),)) -> Topology:
+    return Topology.simulated(num_gpus=gpus, gpus_per_node=per_node, nodes_per_level=list(levels))
+
+
+# ---------------------------------------------------------------------------- topology
+
+
+def test_topology_from_spec_and_pool():
+    spec = ParallelismSpec(num_nodes=128, procs_per_node=8, topology={"levels": [BLOCK, ZONE]})
+    topo = Topology.from_spec(spec, NodePool(nodes_per_domain={BLOCK: 32, ZONE: 64}))
+    assert [(lv.name, lv.size) for lv in topo.levels] == [("node", 8), ("block", 256), ("zone", 512), ("cluster", 1024)]
+    assert topo.block.name == "block"
+    assert topo.common_level(0, 7).name == "node" and topo.common_level(0, 8).name == "block"
+    assert topo.common_level(0, 300).name == "zone" and topo.common_level(0, 600).name == "cluster"
+
+
+def test_topology_slices_divide_the_job():
+    # 48 nodes, blocks of 32: the slice must divide 48 -> 24 nodes per block domain
+    topo = Topology.build(procs_per_node=8, num_nodes=48, level_labels=[BLOCK], pool=NodePool(nodes_per_domain={BLOCK: 32}))
+    assert topo.level("block").size == 24 * 8
+
+
+def test_topology_pool_from_nodes_uses_smallest_domain():
+    nodes = [{"metadata": {"name": f"n{i}", "labels": {BLOCK: "b1" if i < 5 else "b2"}}} for i in range(8)]
+    assert NodePool.from_nodes(nodes, [BLOCK]).nodes_per_domain == {BLOCK: 3}
+
+
+def test_topology_unknown_label_is_an_error():
+    with pytest.raises(TopologyError, match="not described by the node pool"):
+        Topology.build(procs_per_node=8, num_nodes=4, level_labels=[BLOCK])
+
+
+# ---------------------------------------------------------------------------- plan products
+
+
+def test_rest_is_resolved_and_products_checked():
+    plan = ParallelPlan(world_size=64, dp_replicate=2, ep=2, cp=2, tp=4)
+    assert (plan.dp_replicate, plan.dp_shard, plan.data_world, plan.sparse_shard) == (2, 4, 16, 8)
+    assert plan.mesh_shape == (2, 2, 2, 2, 4)
+    with pytest.raises(PlanError, match=r"must equal the world size 12") as e:
+        ParallelPlan(world_size=12, dp_shard=5)
+    assert e.value.dimension == "world"
+    with pytest.raises(PlanError, match="ep=3 must divide dp_shard=4") as e:
+        ParallelPlan(world_size=8, dp_shard=4, tp=2, ep=3)
+    assert (e.value.dimension, e.value.degree, e.value.world_size) == ("ep", 3, 8)
+    with pytest.raises(PlanError, match="sparse_shard=3"):
+        ParallelPlan(world_size=8, sparse_shard=3)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 2, 2, 2, 1), (1, 2, 2, 1, 2), (2, 1, 1, 2, 2), (4, 2, 1, 2, 1)])
+def test_groups_partition_the_world(shape):
+    dpr, dps_mod, ep, cp, tp = shape
+    plan = ParallelPlan(world_size=dpr * dps_mod * ep * cp * tp, dp_replicate=dpr, dp_shard=dps_mod * ep, ep=ep, cp=cp, tp=tp)
+    w = plan.world_size
+    for name in (*MESH_AXES, *FLAT_GROUPS, "sparse", "sparse_replica"):
+        groups = plan.group_ranks(name)
+        assert sorted(r for g in groups for r in g) == list(range(w)), name
+    assert all(g == list(range(g[0], g[0] + tp)) for g in plan.group_ranks("tp"))  # consecutive local ranks
+    for rank in range(w):
+        c = plan.coords(rank)
+        # ranks of one data group share the tp coordinate and nothing else is fixed
+        assert all(plan.coords(r)["tp"] == c["tp"] for r in plan.group_of("data", rank))
+        assert all(plan.coords(r)["ep"] == c["ep"] for r in plan.group_of("expert_data", rank))
+        assert len(plan.group_of("data", rank)) == plan.data_world
+
+
+def test_group_spans_follow_the_axis_order():
+    plan = ParallelPlan(world_size=64, dp_replicate=2, dp_shard=4, ep=2, cp=2, tp=4)
+    assert plan.span("tp") == 4 and plan.span("cp") == 8 and plan.span("ep") == 16 and plan.span("dp_replicate") == 64
+    ep_group = plan.group_ranks("ep")[0]
+    assert ep_group == [0, 8] and max(ep_group) - min(ep_group) < plan.span("ep")
+
+
+# ---------------------------------------------------------------------------- validation against a topology
+
+
+def test_impossible_plans_name_dimension_degree_world_and_level():
+    topo = sim()
+    with pytest.raises(PlanError) as e:
+        ParallelPlan(world_size=1024, tp=16).validate(topo)
+    msg = str(e.value)
+    assert "tp=16" in msg and "'node'" in msg and "world size 1024" in msg and "kubernetes.io/hostname" in msg
+    assert (e.value.dimension, e.value.degree, e.value.level) == ("tp", 16, "node")
+
+    with pytest.raises(PlanError) as e:  # 2 x 4 x 64 = 512 ranks > a 256-rank block
+        ParallelPlan(world_size=1024, dp_shard=-1, ep=64, cp=2, tp=4).validate(topo)
+    assert e.value.dimension == "ep" and e.value.level == "block" and "ep x cp x tp = 512" in str(e.value)
+
+    with pytest.raises(PlanError) as e:
+        ParallelPlan(world_size=1024, cp=64, tp=8).validate(topo)
+    assert e.value.dimension == "cp" and "block" in str(e.value)
+
+    with pytest.raises(PlanError, match="plan is for 512 ranks"):
+        ParallelPlan(world_size=512).validate(topo)
+
+
+def test_level_overrides_and_non_dividing_spans():
+    topo = Topology.simulated(num_gpus=48, gpus_per_node=4, nodes_per_level=[("block", 3)])  # blocks of 12 ranks
+    ParallelPlan(world_size=48, cp=3, tp=4).validate(topo)  # 12 ranks: one block
+    with pytest.raises(PlanError, match=r"cp=2 .* must divide one 'block'"):
+        ParallelPlan(world_size=48, cp=2, tp=4, dp_shard=6).validate(topo)  # 8 ranks straddle 12-rank blocks
+    with pytest.raises(PlanError, match="'node'"):
+        ParallelPlan(world_size=48, cp=3, tp=4).validate(topo, levels={"cp": "node"})
+
+
+def test_group_levels_report():
+    plan = ParallelPlan(world_size=1024, dp_replicate=4, dp_shard=32, ep=8, cp=2, tp=4)
+    assert plan.group_levels(sim()) == {"dp_replicate": "cluster", "dp_shard_mod_ep": "block", "ep": "block",
+                                         "cp": "node", "tp": "node"}
+
+
+def test_from_config_camel_case():
+    plan = ParallelPlan.from_config({"dpReplicate": 2, "dpShard": -1, "tp": 2, "sparseShard": 2}, world_size=8, zero_stage=3)
+    assert plan.to_dict() == {"worldSize": 8, "dpReplicate": 2, "dpShard": 2, "ep": 1, "cp": 1, "tp": 2,
+                              "sparseShard": 2, "zeroStage": 3}
+    with pytest.raises(ValueError, match="unknown parallel plan key 'pp'"):
+        ParallelPlan.from_config({"pp": 2}, world_size=8)
+
+
+# ---------------------------------------------------------------------------- auto plan
+
+
+def test_auto_plan_puts_talkative_dims_on_fast_links():
+    hints = ModelShapeHints(dense_params=1_500_000_000, hidden_dim=8192, num_experts=8, expert_params=10**8,
+                            max_seq_len=32768)
+    plan, reason = auto_plan(1024, sim(), hints, zero_stage=3)
+    topo = sim()
+    plan.validate(topo)
+    assert plan.tp == 4 and plan.cp == 2 and plan.ep == 8
+    assert plan.dp_shard * plan.cp * plan.tp == topo.block.size  # one HSDP shard group = one block
+    assert plan.dp_replicate == 4  # one replica per block
+    assert plan.group_levels(topo)["tp"] == "node" and plan.group_levels(topo)["dp_replicate"] == "cluster"
+    for dim in ("tp=4", "cp=2", "ep=8", "dp_shard=32", "dp_replicate=4", "sparse_shard"):
+        assert dim in reason
+
+
+def test_auto_plan_small_model_is_plain_hsdp():
+    plan, reason = auto_plan(1024, sim(), ModelShapeHints(dense_params=10**8, hidden_dim=1024))
+    assert (plan.tp, plan.cp, plan.ep, plan.dp_shard, plan.dp_replicate) == (1, 1, 1, 256, 4)
+    assert "no projection is wide enough" in reason and "no dense expert ensemble" in reason
+
+
+def test_auto_plan_without_hierarchy_and_single_node():
+    flat = Topology.build(procs_per_node=8, num_nodes=4)  # no labels: the job is one domain
+    plan, _ = auto_plan(32, flat, ModelShapeHints(num_experts=2))
+    assert plan.ep == 2 and plan.dp_replicate == 1 and plan.dp_shard == 32
+    one, _ = auto_plan(2, Topology.build(procs_per_node=2, num_nodes=1), ModelShapeHints())
+    assert one.dp_shard == 2 and one.dp_replicate == 1
+
+
+def test_auto_plan_memory_pushes_shards_across_blocks():
+    hints = ModelShapeHints(dense_params=2_000_000_000_000, gpu_memory_bytes=80 * 2**30)  # 32 TB of state
+    plan, reason = auto_plan(1024, sim(), hints, zero_stage=3)
+    assert plan.dp_shard == 1024 and plan.dp_replicate == 1
+    assert "ZeRO shards cross cluster" in reason
+
+
+def test_auto_plan_zero_stage_0_replicates():
+    plan, reason = auto_plan(16, sim(16, 8, [("block", 2)]), ModelShapeHints(), zero_stage=0)
+    assert plan.dp_shard == 1 and plan.dp_replicate == 16 and "zeroStage 0" in reason
+
+
+# ---------------------------------------------------------------------------- the job's plan (trainer side)
+
+
+def test_plan_for_job_reads_the_operator_topology_and_explicit_degrees():
+    import json
+
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import ENV_TOPOLOGY, deepspeed_overrides, plan_for_job
+
+    par = ParallelismSpec(num_nodes=64, procs_per_node=8, zero_stage=3, topology={"levels": [BLOCK]})
+    env = {ENV_TOPOLOGY: json.dumps({"nodesPerDomain": {BLOCK: 32}, "placement": "kueue"})}
+    hints = ModelShapeHints(dense_params=10**9, num_experts=4)
+    job = plan_for_job(par, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints,
+                       allowed=frozenset({"dp_replicate", "dp_shard", "cp", "tp"}), env=env)
+    assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.ep, job.plan.sparse_shard) == (2, 256, 1, 1)
+    assert "expert parallelism is not available here" in job.reason
+    rep = job.report()
+    assert rep["dpShard"] == 256 and rep["placement"] == "kueue" and rep["groupLevels"]["dp_shard_mod_ep"] == "block"
+
+    # pod affinity cannot order ranks inside the zone: block alignment is not relied on
+    env_aff = {ENV_TOPOLOGY: json.dumps({"nodesPerDomain": {BLOCK: 32}, "placement": "affinity"})}
+    job = plan_for_job(par, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints, env=env_aff)
+    assert [lv.name for lv in job.topology.levels] == ["node", "cluster"]
+
+    explicit = TrainingSpec(deepspeed={"parallelPlan": {"dpReplicate": 4, "dpShard": -1, "tp": 2}, "wall_clock_breakdown": True})
+    job = plan_for_job(par, explicit, world_size=512, procs_per_node=8, hints=hints, env=env)
+    assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.tp) == (4, 64, 2) and "given in spec" in job.reason
+    assert deepspeed_overrides(explicit.deepspeed) == ({"wall_clock_breakdown": True}, {"dpReplicate": 4, "dpShard": -1, "tp": 2})
+
+    bad = TrainingSpec(deepspeed={"parallelPlan": {"dpShard": -1, "tp": 16}})
+    with pytest.raises(PlanError, match="tp=16 does not fit"):
+        plan_for_job(par, bad, world_size=512, procs_per_node=8, hints=hints, env=env)
+
+
+def test_plan_for_job_outside_the_cluster_uses_the_real_world():
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import plan_for_job
+
+    par = ParallelismSpec(num_nodes=2, procs_per_node=1, topology={"levels": [BLOCK]})
+    job = plan_for_job(par, TrainingSpec(), world_size=1, procs_per_node=1, hints=ModelShapeHints(), env={})
+    assert job.plan.world_size == 1 and job.notes and "not the spec's" in job.notes[0]
+    job = plan_for_job(ParallelismSpec(num_nodes=2, procs_per_node=2, topology={"levels": [BLOCK]}), TrainingSpec(),
+                       world_size=4, procs_per_node=2, hints=ModelShapeHints(), env={})
+    assert "does not describe the node pool" in job.notes[0] and job.plan.dp_shard == 4
