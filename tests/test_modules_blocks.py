@@ -208,3 +208,15 @@ def test_heads_use_the_example_surface_and_losses_are_masked():
     assert logits["dwell"].grad[1] == 0 and torch.count_nonzero(logits["dwell"].grad) == 3
     want = F.binary_cross_entropy_with_logits(logits["conversion"][[0, 2]], labels["conversion"][[0, 2]])
     torch.testing.assert_close(parts["conversion"], want)
+
+
+def test_rmsnorm_with_hand_written_backward_equals_torch():
+    from gem.modules.common import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(16), torch.nn.RMSNorm(16)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(5, 3, 16)
+    _assert_same(_grads(ours, [x], lambda m, x: m(x)), _grads(ref, [x], lambda m, x: m(x)))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gem.modules.config import KunlunConfig, Task
 from gem.modules.embeddings import FeatureEmbeddings

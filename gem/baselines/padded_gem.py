@@ -14,7 +14,6 @@ from gem.modules.attention import BlockAttentionLayer
 from gem.modules.config import TierConfig
 from gem.modules.kunlun import KunlunLayer, KunlunModel
 from gem.modules.oneseq import TierBatch
-from gem.ops import time_rotary
 from gem.ops.common import with_zero_row
 
 
@@ -32,8 +31,7 @@ class PaddedAttentionLayer(BlockAttentionLayer):
     """S' = S + W_o · softmax-attention over the whole padded history (no blocks)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tb: TierBatch) -> torch.Tensor:
-        H, dh = self.tier.num_heads, self.tier.head_dim
-        q, k = time_rotary(q, tb.phase, kernel=self.kernel), time_rotary(k, tb.phase, kernel=self.kernel)
+        H, dh = self.tier.num_heads, self.tier.head_dim  # q, k arrive rotated (BlockAttentionLayer.qkv)
         rows, valid, T = pad_rows(tb.offsets)
         B = rows.shape[0]
         qp, kp, vp = (with_zero_row(x).index_select(0, rows.reshape(-1)).view(B, T, H, dh).transpose(1, 2)

@@ -36,6 +36,9 @@ class GEMConfig:
     """Hash buckets of the campaign table."""
     num_time_buckets: int = 32
     """Log-spaced buckets of an event's age (see gem.model.embeddings.time_bucket)."""
+    tasks: tuple[str, ...] = ("click", "conversion")
+    """Funnel tasks with a head: what the trainer evaluates (gem/eval) by default; add "dwell"
+    (awareness, in the synthetic data) to train it as well."""
 
 
 PRESETS: dict[str, GEMConfig] = {
@@ -81,9 +84,13 @@ def kunlun_config(cfg: GEMConfig):
     from gem.modules.config import v1_features
 
     base = KUNLUN_PRESETS[cfg.preset]
+    by_name = {t.name: t for t in base.tasks}
+    unknown = [t for t in cfg.tasks if t not in by_name]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}: the model knows {list(by_name)}")
     scale = cfg.embedding_dim / base.dim
     tiers = tuple(replace(t, dim=round(t.dim * scale), num_heads=cfg.num_heads, max_seq_len=cfg.max_seq_len)
                   for t in base.tiers)
     features = v1_features(cfg.user_buckets, cfg.item_buckets, cfg.campaign_buckets)
     return replace(base, features=features, tiers=tiers, dim=cfg.embedding_dim, num_layers=cfg.num_layers,
-                   num_time_buckets=cfg.num_time_buckets)
+                   num_time_buckets=cfg.num_time_buckets, tasks=tuple(by_name[t] for t in cfg.tasks))

@@ -14,7 +14,7 @@ from torch import nn
 from gem.modules.common import JaggedModule, block_pairs, linear_flops
 from gem.modules.config import TierConfig
 from gem.modules.oneseq import TierBatch
-from gem.ops import block_attention
+from gem.ops import Kernel, block_attention, time_rotary
 
 
 class BlockAttentionLayer(JaggedModule):
@@ -26,16 +26,21 @@ class BlockAttentionLayer(JaggedModule):
         self.w_o = nn.Linear(tier.dim, tier.dim, bias=False)
 
     def qkv(self, tb: TierBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections, q and k rotated by time (in one pass over both): [ΣL, H, dh] each."""
         H, dh = self.tier.num_heads, self.tier.head_dim
-        return self.w_qkv(self.norm(tb.values)).view(-1, 3, H, dh).unbind(1)  # [ΣL, H, dh] each
+        qkv = self.w_qkv(self.norm(tb.values)).view(-1, 3, H, dh)  # [ΣL, 3, H, dh]
+        qk, v = qkv.split([2, 1], dim=1)  # split, not slicing: its backward is one cat, no zero-filled copies
+        cos_sin = tb.rotary(dh, qk.dtype) if self.kernel == Kernel.TILED else None
+        qk = time_rotary(qk.reshape(-1, 2 * H, dh), tb.phase, kernel=self.kernel, cos_sin=cos_sin)  # q, k heads side by side
+        q, k = qk.view(-1, 2, H, dh).unbind(1)
+        return q, k, v.squeeze(1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tb: TierBatch) -> torch.Tensor:
+        """Block attention of already-rotated q, k."""
         t = self.tier
-        tiled = self.kernel == "tiled"
-        return block_attention(
-            q, k, v, tb.offsets, block_size=t.block_size, shift=self.shift, rotary_phase=tb.phase,
-            rotary_cos_sin=tb.rotary(t.head_dim, q.dtype) if tiled else None,
-            plan=tb.block_plan(t.block_size, self.shift) if tiled else None, kernel=self.kernel)
+        plan = tb.block_plan(t.block_size, self.shift) if self.kernel == Kernel.TILED else None
+        return block_attention(q, k, v, tb.offsets, block_size=t.block_size, shift=self.shift, plan=plan,
+                               kernel=self.kernel)
 
     def forward(self, tb: TierBatch) -> torch.Tensor:
         q, k, v = self.qkv(tb)

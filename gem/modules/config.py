@@ -130,7 +130,9 @@ class KunlunConfig:
     """pffn (GDPA over X_sum) or token_ffn (an ordinary per-token FFN, for comparison)."""
     token_ffn_mult: int = 4
     """Hidden width of token_ffn as a multiple of the tier width."""
-    gdpa_activation: str = "gelu_tanh"
+    gdpa_activation: str = "gelu"
+    """GDPA's activation (act(0) = 0). GELU as in GEM; the erf form, 2-3x cheaper than the tanh
+    form on CPU (GPUs use tanh or a polynomial instead)."""
     sum_kron_rank: int = 4
     """k in SumKronLinear: Y = sum_i Z_iᵀ H W_i."""
     num_experts: int = 2

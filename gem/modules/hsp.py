@@ -2,7 +2,7 @@
 SumKronLinear compresses them to a few summary tokens (notes section 5).
 
     Q = RMSNorm_h(LN(E_seed) W_q)              [n_seed, H, dh], shared by every example
-    K, V = RMSNorm_h(LN(S) W_k), LN(S) W_v      [ΣL, H, dh]
+    K, V = RMSNorm_h(S W_k), S W_v              [ΣL, H, dh]   (S: the PFFN's RMS-normalised output)
     H_seed = GDPA(Q, K, V, broadcast_q)         [B, n_seed, d_t]   act(0) = 0: no key mask
     Y = RMSNorm(Σ_i Z_iᵀ H_seed W_i)            [B, n_out, d_t]
 """
@@ -14,10 +14,10 @@ import math
 import torch
 from torch import nn
 
-from gem.modules.common import JaggedModule, linear_flops
+from gem.modules.common import JaggedModule, RMSNorm, linear_flops
 from gem.modules.config import TierConfig
 from gem.modules.oneseq import TierBatch
-from gem.ops import gdpa
+from gem.ops import Kernel, gdpa
 
 
 class SumKronLinear(nn.Module):
@@ -56,11 +56,10 @@ class HierarchicalSeedPooling(JaggedModule):
         self.seeds = nn.Parameter(torch.randn(tier.num_seeds, dt))
         self.seed_norm = nn.LayerNorm(dt)
         self.w_q = nn.Linear(dt, dt, bias=False)
-        self.seq_norm = nn.LayerNorm(dt)
-        self.w_kv = nn.Linear(dt, 2 * dt, bias=False)
-        self.q_norm, self.k_norm = nn.RMSNorm(dh), nn.RMSNorm(dh)
+        self.w_kv = nn.Linear(dt, 2 * dt, bias=False)  # reads the PFFN's RMS-normalised output: no extra norm
+        self.q_norm, self.k_norm = RMSNorm(dh), RMSNorm(dh)
         self.compress = SumKronLinear(tier.num_seeds, tier.num_summary_tokens, dt, dt, rank)
-        self.out_norm = nn.RMSNorm(dt)
+        self.out_norm = RMSNorm(dt)
         # Scale after the activation: 1/max_seq_len keeps the sum over events bounded (HSTU-style).
         self.qk_scale = 1.0 / tier.max_seq_len
 
@@ -69,12 +68,12 @@ class HierarchicalSeedPooling(JaggedModule):
         s = tb.values
         n, dt, H, dh = self.tier.num_seeds, self.tier.dim, self.tier.num_heads, self.tier.head_dim
         q = self.q_norm(self.w_q(self.seed_norm(self.seeds)).view(n, H, dh)) * dh**-0.5  # [n_seed, H, dh]
-        k, v = self.w_kv(self.seq_norm(s)).view(-1, 2, H, dh).unbind(1)  # [ΣL, H, dh] each
+        k, v = self.w_kv(s).view(-1, 2, H, dh).unbind(1)  # [ΣL, H, dh] each
         k = self.k_norm(k)
         q = q.to(k.dtype)
         pooled = gdpa(q, k, v, k_offsets=tb.offsets, broadcast_q=True, activation=self.activation,
                       qk_scale=self.qk_scale, kernel=self.kernel,
-                      buckets=tb.seed_buckets(n) if self.kernel == "tiled" else None)  # [B, n_seed, H, dh]
+                      buckets=tb.seed_buckets(n) if self.kernel == Kernel.TILED else None)  # [B, n_seed, H, dh]
         B = pooled.shape[0]
         return self.out_norm(self.compress(pooled.reshape(B, n, dt)))
 

@@ -25,7 +25,7 @@ from gem.modules.config import KunlunConfig, TierConfig
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.inputs import EventSequence, GemInputs
 from gem.ops import oneseq_merge_index, segment_ids
-from gem.ops.common import BlockPlan, BucketPlan, offsets_of, plan_blocks, plan_buckets
+from gem.ops.common import BlockPlan, BucketPlan, SlotLayout, from_slots, offsets_of, plan_blocks, plan_buckets
 from gem.ops.rotary import DEFAULT_ROTARY_BASE, rotary_cos_sin
 
 
@@ -119,18 +119,29 @@ class OneSeqEncoder(JaggedModule):
             surface=None if any(s.surface is None for s in seqs) else torch.cat([s.surface for s in seqs])[index],
         )
         raw = embeddings.events(merged)  # [ΣL, d]
-        e = self._project_by_type(raw, source)  # [ΣL, d_tier]
+        e = self._project_by_type(raw, source)  # [ΣL, d_tier], in the autocast dtype if any
         seg = segment_ids(offsets)
         if self.target is not None:
-            e = e + self.target(raw * candidate.to(raw.dtype)[seg])
-        if self.match_emb is not None:
-            e = e + self.match_emb(self._match_bucket(inputs, merged, seg))
+            e = e + self.target(raw * candidate.to(raw.dtype).index_select(0, seg))
         age = (inputs.request_time[seg] - merged.timestamps).float().clamp_min(0)  # [ΣL], s
         surface = torch.zeros_like(source) if merged.surface is None else merged.surface
-        e = e + self.type_emb(source) + self.surface_emb(surface.clamp(0, self.cfg.features.num_surfaces - 1))
-        e = e + self.age_emb(time_bucket(age, self.cfg.num_time_buckets))
+        surface = surface.clamp(0, self.cfg.features.num_surfaces - 1)
+        match = self._match_bucket(inputs, merged, seg) if self.match_emb is not None else torch.zeros_like(seg)
+        e = e + self._small_embeddings(source, surface, time_bucket(age, self.cfg.num_time_buckets), match, e.dtype)
         phase = self.cfg.rotary_scale * torch.log1p(age / 60.0)
         return TierBatch(self.norm(e), offsets, phase)
+
+    def _small_embeddings(self, etype, surface, age_bucket, match, dtype) -> torch.Tensor:
+        """E_type + E_surface + E_age [+ E_match] per event with one lookup: the small tables are
+        summed into their (type, surface, age, match) product table first (hundreds of rows, not ΣL)."""
+        T, S, A = self.type_emb.num_embeddings, self.surface_emb.num_embeddings, self.age_emb.num_embeddings
+        M = 1 if self.match_emb is None else self.match_emb.num_embeddings
+        row = torch.arange(T * S * A * M, device=etype.device)  # row = ((t·S + s)·A + a)·M + m
+        table = (self.type_emb(row // (S * A * M)) + self.surface_emb(row // (A * M) % S)
+                 + self.age_emb(row // M % A))  # [T·S·A·M, d_t]
+        if self.match_emb is not None:
+            table = table + self.match_emb(row % M)
+        return table.to(dtype).index_select(0, ((etype * S + surface) * A + age_bucket) * M + match)
 
     def _match_bucket(self, inputs: GemInputs, merged: EventSequence, seg: torch.Tensor) -> torch.Tensor:
         """int64 [ΣL]: Σ_i 2^i · [event id == candidate id] over the candidate features (a bag's first id)."""
@@ -147,11 +158,14 @@ class OneSeqEncoder(JaggedModule):
         types = self.tier.event_types
         if len(types) == 1:
             return self.proj[types[0]](raw)
-        out = raw.new_zeros(raw.shape[0], self.tier.dim)
-        for i, t in enumerate(types):
-            rows = torch.nonzero(source == i).squeeze(1)
-            out = out.index_copy(0, rows, self.proj[t](raw.index_select(0, rows)).to(out.dtype))
-        return out
+        # Rows grouped by type, projected per group, then put back in sequence order (a permutation).
+        order = torch.sort(source, stable=True).indices  # [ΣL], rows of type 0, then type 1, ...
+        counts = torch.bincount(source, minlength=len(types)).tolist()
+        parts = [self.proj[t](rows) for t, rows in zip(types, raw.index_select(0, order).split(counts))]
+        dt = parts[0].dtype
+        grouped = torch.cat([p.to(dt) for p in parts])  # [ΣL, d_tier] in type order
+        return from_slots(grouped, SlotLayout(torch.empty_like(order).index_copy_(
+            0, order, torch.arange(order.numel(), device=order.device)), order.numel(), order))
 
     def flops(self, tokens: float) -> float:
         return linear_flops(tokens, self.cfg.dim, self.tier.dim) * (1 if self.target is None else 2)

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gem.modules.common import JaggedModule, linear_flops
+from gem.modules.common import JaggedModule, RMSNorm, linear_flops
 from gem.modules.config import TierConfig
 from gem.modules.oneseq import TierBatch
-from gem.ops import gdpa
+from gem.ops import Kernel, gdpa
 
 
 class PersonalizedFFN(JaggedModule):
@@ -28,8 +28,8 @@ class PersonalizedFFN(JaggedModule):
         self.tier, self.dim, self.n_sum, self.activation = tier, dim, num_sum_tokens, activation
         self.norm_in = nn.LayerNorm(tier.dim)
         self.w_kv = nn.Linear(dim, 2 * tier.dim, bias=False)
-        self.k_norm = nn.RMSNorm(tier.head_dim)
-        self.out_norm = nn.RMSNorm(tier.dim)
+        self.k_norm = RMSNorm(tier.head_dim)
+        self.out_norm = RMSNorm(tier.dim)
 
     def forward(self, tb: TierBatch, x_sum: torch.Tensor) -> torch.Tensor:
         """tb.values [ΣL, d_t], x_sum [B, n_sum, d] -> [ΣL, d_t]"""
@@ -37,10 +37,10 @@ class PersonalizedFFN(JaggedModule):
         H, dh = self.tier.num_heads, self.tier.head_dim
         s = self.norm_in(tb.values)  # [ΣL, d_t]
         k, v = self.w_kv(x_sum).view(B, n, 2, H, dh).unbind(2)  # [B, n_sum, H, dh] each
-        k = self.k_norm(k).to(s.dtype)
-        q = s.view(-1, H, dh) * dh**-0.5
+        k = (self.k_norm(k) * dh**-0.5).to(s.dtype)  # the 1/sqrt(dh) on the n_sum keys, not the ΣL queries
+        q = s.view(-1, H, dh)
         o = gdpa(q, k, v.to(s.dtype), q_offsets=tb.offsets, activation=self.activation, qk_scale=1.0 / n,
-                 kernel=self.kernel, buckets=tb.kv_buckets(n) if self.kernel == "tiled" else None)
+                 kernel=self.kernel, buckets=tb.kv_buckets(n) if self.kernel == Kernel.TILED else None)
         return self.out_norm(o.reshape(s.shape) + s)
 
     def flops(self, batch: int, tokens: float) -> float:

@@ -93,43 +93,61 @@ class SlotLayout:
 
     dst: torch.Tensor  # int64 [N]
     num_slots: int
+    src: torch.Tensor | None = None  # int64 [num_slots]: the row in each slot, N for an empty slot
+
+    def __post_init__(self) -> None:
+        if self.src is None:
+            src = torch.full((self.num_slots,), self.dst.numel(), dtype=torch.int64, device=self.dst.device)
+            if self.dst.numel():
+                src[self.dst] = torch.arange(self.dst.numel(), device=self.dst.device)
+            object.__setattr__(self, "src", src)
+
+
+def _gather_with_zeros(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] where index == len(x) reads a zero row (both directions below are gathers:
+    a row copy per index, much faster on CPU than index_copy_ / scatter-add)."""
+    return with_zero_row(x).index_select(0, index)
 
 
 class _ToSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, num_slots: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, zero_pad: bool) -> torch.Tensor:
         ctx.save_for_backward(dst)
-        return x.new_zeros((num_slots,) + tuple(x.shape[1:])).index_copy_(0, dst, x)
+        if zero_pad:
+            return _gather_with_zeros(x, src)
+        return x.index_select(0, src.clamp(max=max(x.shape[0] - 1, 0)))  # padding slots: any real row
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (dst,) = ctx.saved_tensors
-        return grad.index_select(0, dst), None, None
+        return grad.index_select(0, dst), None, None, None
 
 
 class _FromSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, slots: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(dst)
-        ctx.num_slots = slots.shape[0]
+    def forward(ctx, slots: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(src)
         return slots.index_select(0, dst)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (dst,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.num_slots,) + tuple(grad.shape[1:])).index_copy_(0, dst, grad), None
+        (src,) = ctx.saved_tensors
+        return _gather_with_zeros(grad, src), None, None
 
 
-def to_slots(x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """[N, ...] -> [num_slots, ...] (zeros where no row lives)."""
-    return _ToSlots.apply(x, layout.dst, layout.num_slots)
+def to_slots(x: torch.Tensor, layout: SlotLayout, *, zero_pad: bool = True) -> torch.Tensor:
+    """[N, ...] -> [num_slots, ...]: zeros where no row lives, or (zero_pad=False, for callers
+    that never use those slots, e.g. padded query rows whose outputs are dropped) any row."""
+    if x.shape[0] == 0:
+        zero_pad = True
+    return _ToSlots.apply(x, layout.dst, layout.src, zero_pad)
 
 
 def from_slots(slots: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """[num_slots, ...] -> [N, ...]"""
-    return _FromSlots.apply(slots, layout.dst)
+    return _FromSlots.apply(slots, layout.dst, layout.src)
 
 
 # --------------------------------------------------------------------------- buckets
@@ -164,6 +182,11 @@ class BucketPlan:
     @property
     def k_sizes(self) -> list[int]:
         return [bk.size * bk.k_len for bk in self.buckets]
+
+    def k_tiles(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The per-bucket key tiles of to_slots(k, k_layout) (slots past the tiles are dropped)."""
+        sizes = self.k_sizes
+        return slots.narrow(0, 0, sum(sizes)).split(sizes)
 
     @property
     def examples(self) -> torch.Tensor:
@@ -249,7 +272,13 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
         kv = torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None]  # [n, k_len]
         buckets.append(Bucket(ex, q_len, k_len, None if bool(kv.all()) else kv))
     q_layout = _layout(q_offsets, q_first, q_base)
-    k_layout = q_layout if self_attn else _layout(k_offsets, k_first, k_base)
+    if self_attn:
+        return BucketPlan(buckets, q_layout, q_layout)
+    # Keys of segments without queries sit in slots after every tile (never read): a layout
+    # must give every row a slot.
+    orphans = np.flatnonzero((q_lens == 0) & (k_lens > 0))
+    k_first[orphans] = k_base + np.concatenate([[0], np.cumsum(k_lens[orphans])[:-1]]).astype(np.int64)
+    k_layout = _layout(k_offsets, k_first, k_base + int(k_lens[orphans].sum()))
     return BucketPlan(buckets, q_layout, k_layout)
 
 
@@ -282,7 +311,7 @@ class BlockPlan:
 
     @property
     def layout(self) -> SlotLayout:
-        return SlotLayout(self.dst, self.num_blocks * self.block)
+        return SlotLayout(self.dst, self.num_blocks * self.block, self.src)
 
 
 def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0) -> BlockPlan:

@@ -19,7 +19,8 @@ DEFAULT_ROTARY_BASE = 10000.0
 def time_rotary(x: torch.Tensor, phase: torch.Tensor, *, base: float = DEFAULT_ROTARY_BASE,
                 kernel: Kernel = DEFAULT_KERNEL,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x: [ΣL, H, dh] (dh even)  phase: float [ΣL]  ->  [ΣL, H, dh].
+    """x: [ΣL, H, dh] (dh even)  phase: float [ΣL]  ->  [ΣL, H, dh]. The phase is data (event
+    times): the tiled kernel passes no gradient to it.
 
     cos_sin: a precomputed rotary_cos_sin(phase, dh, base=..., dtype=x.dtype) (tiled only).
     """

@@ -293,8 +293,11 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         out["mlflow"] = mlflow
     if status.get("phase") != phase:
         kind = parent.get("kind", "")
+        # JobCreated is keyed like the creation's own Event: one per job, whichever path sees it first.
+        key = job["metadata"].get("uid") if phase == Phase.created.value else (
+            f"{job['metadata'].get('uid')}/{(cond or {}).get('lastTransitionTime')}")
         _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}",
-               key=f"{job['metadata'].get('uid')}/{(cond or {}).get('lastTransitionTime')}")
+               key=key)
         logger.info("phase %s -> %s", status.get("phase"), phase)
         metrics.TRANSITIONS.labels(kind, phase).inc()
     out["phase"], out["message"] = phase, message

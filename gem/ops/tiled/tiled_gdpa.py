@@ -29,10 +29,15 @@ def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: 
     if total_q == 0:
         return q * 0.0  # keeps the graph: empty input, empty gradient
     plan = plan_buckets(q_offsets, k_offsets) if buckets is None else buckets
-    q_tiles = to_slots(q, plan.q_layout).split(plan.q_sizes)
+    # P·c·V = c·(P V): put the scale on whichever is smallest (short dense values: once here).
+    scale_v = dense_kv and qk_scale != 1.0
+    if scale_v:
+        v = v * qk_scale
+    # Padded query rows only produce dropped outputs (and get zero gradient): no zero fill needed.
+    q_tiles = to_slots(q, plan.q_layout, zero_pad=False).split(plan.q_sizes)
     if not dense_kv:
-        k_tiles = to_slots(k, plan.k_layout).split(plan.k_sizes)
-        v_tiles = to_slots(v, plan.k_layout).split(plan.k_sizes)
+        k_tiles = plan.k_tiles(to_slots(k, plan.k_layout))
+        v_tiles = plan.k_tiles(to_slots(v, plan.k_layout))
     parts = []
     for i, (bk, qs) in enumerate(zip(plan.buckets, q_tiles)):
         n = bk.size
@@ -47,9 +52,11 @@ def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: 
             j_ = torch.arange(bk.k_len, device=s.device)[None, :]
             s = s.masked_fill((i_ - j_).abs() > window, 0.0)
         p = apply_per_head(s, activations, head_dim=1)
-        if qk_scale != 1.0:
+        if qk_scale != 1.0 and not scale_v and bk.k_len <= q.shape[-1]:
             p = p * qk_scale
         o = torch.matmul(p, vt)  # [n, H, Tq, dh]
+        if qk_scale != 1.0 and not scale_v and bk.k_len > q.shape[-1]:
+            o = o * qk_scale
         parts.append(o.transpose(1, 2).reshape(n * bk.q_len, H, dh))
     return from_slots(torch.cat(parts) if len(parts) > 1 else parts[0], plan.q_layout)
 
@@ -64,8 +71,8 @@ def _broadcast_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: t
         q_offsets = offsets_of(torch.full((B,), Nq, dtype=torch.int64, device=k_offsets.device))
         buckets = plan_buckets(q_offsets, k_offsets)
     plan = buckets
-    k_tiles = to_slots(k, plan.k_layout).split(plan.k_sizes)
-    v_tiles = to_slots(v, plan.k_layout).split(plan.k_sizes)
+    k_tiles = plan.k_tiles(to_slots(k, plan.k_layout))
+    v_tiles = plan.k_tiles(to_slots(v, plan.k_layout))
     qt = q.permute(1, 2, 0)  # [H, dh, Nq]
     parts = []
     for bk, ks, vs in zip(plan.buckets, k_tiles, v_tiles):
@@ -73,10 +80,10 @@ def _broadcast_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: t
         kt, vt = (x.view(n, bk.k_len, H, dh).transpose(1, 2) for x in (ks, vs))  # [n, H, Tk, dh]
         s = torch.matmul(kt, qt)  # [n, H, Tk, Nq]: keys along rows
         p = apply_per_head(s, activations, head_dim=1)
-        if qk_scale != 1.0:
-            p = p * qk_scale
         parts.append(torch.matmul(p.transpose(-1, -2), vt).transpose(1, 2))  # [n, Nq, H, dh]
     out = torch.cat(parts) if len(parts) > 1 else parts[0]  # [B, Nq, H, dh] in tile order
+    if qk_scale != 1.0:
+        out = out * qk_scale  # the smallest place for the scale: [B, Nq, H, dh]
     order = plan.examples
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)

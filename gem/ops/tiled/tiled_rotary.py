@@ -14,7 +14,33 @@ def rotary_cos_sin(phase: torch.Tensor, head_dim: int, *, base: float, dtype: to
     return angle.cos().to(dtype)[:, None, :], angle.sin().to(dtype)[:, None, :]
 
 
-def tiled_time_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [ΣL, H, dh]  cos, sin: [ΣL, 1, dh/2]  ->  [ΣL, H, dh]"""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos], written into one new tensor (no cat)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x1, sin, out=o2)
+    o2.addcmul_(x2, cos)
+    return out
+
+
+class _TimeRotary(torch.autograd.Function):
+    """A rotation: its backward is the rotation by the opposite angle."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad.contiguous(), cos, -sin), None, None
+
+
+def tiled_time_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [ΣL, H, dh]  cos, sin: [ΣL, 1, dh/2]  ->  [ΣL, H, dh] (no gradient to cos/sin: they come from data)"""
+    return _TimeRotary.apply(x.contiguous(), cos.to(x.dtype), sin.to(x.dtype))
