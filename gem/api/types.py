@@ -91,6 +91,7 @@ class ModelSpec(ApiModel):
 class DataSourceKind(str, Enum):
     synthetic = "synthetic"
     parquet = "parquet"
+    movielens = "movielens"
 
 
 class SyntheticDataSpec(ApiModel):
@@ -106,6 +107,32 @@ class SyntheticDataSpec(ApiModel):
     )
 
 
+class DataSourceRef(ApiModel):
+    """One source of a mixed run: its examples are sampled with probability weight / sum(weights)."""
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Name of the source in per-source metrics (e.g. ne/click@feed); a DNS label.",
+    )
+    source: DataSourceKind = Field(DataSourceKind.synthetic, description="synthetic, parquet or movielens.")
+    synthetic: SyntheticDataSpec = Field(
+        default_factory=SyntheticDataSpec, description="World settings (source synthetic)."
+    )
+    path: str | None = Field(None, description="Directory or URI of Parquet shards (source parquet).")
+    weight: float = Field(1.0, gt=0, description="Sampling weight, normalised over all sources.")
+    evaluate: bool = Field(
+        True, description="Include this source's eval split in the headline metrics (per-source metrics always)."
+    )
+
+    @model_validator(mode="after")
+    def _path_for_parquet(self) -> "DataSourceRef":
+        if self.source == DataSourceKind.parquet.value and not self.path:
+            raise ValueError(
+                f"data.sources[{self.name}].path is required when its source is parquet: set it to the shards' directory"
+            )
+        return self
+
+
 class DataSpec(ApiModel):
     source: DataSourceKind = Field(DataSourceKind.synthetic, description="Where examples come from.")
     synthetic: SyntheticDataSpec = Field(
@@ -114,11 +141,20 @@ class DataSpec(ApiModel):
     path: str | None = Field(
         None, description="Directory or URI of Parquet shards; required when source is parquet."
     )
+    sources: list[DataSourceRef] = Field(
+        default_factory=list,
+        description="Several sources mixed in one run with per-source sampling weights; "
+        "when set, source, synthetic and path above are ignored.",
+    )
 
     @model_validator(mode="after")
     def _path_for_parquet(self) -> "DataSpec":
-        if self.source == DataSourceKind.parquet.value and not self.path:
+        if not self.sources and self.source == DataSourceKind.parquet.value and not self.path:
             raise ValueError("data.path is required when data.source is parquet: set it to the shards' directory")
+        names = [s.name for s in self.sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"data.sources names must be unique (repeated: {', '.join(dupes)}): rename one of them")
         return self
 
 
@@ -160,6 +196,51 @@ class TopologySpec(ApiModel):
         default_factory=list,
         description="Node-label keys from the innermost level up, e.g. [nvidia.com/gpu.clique, topology.kubernetes.io/zone].",
     )
+    nodes_per_domain: dict[str, int] = Field(
+        default_factory=dict,
+        description="Nodes in one domain of each level, by label key (e.g. {nvidia.com/gpu.clique: 18}); "
+        "a level not listed is measured from the labels of the nodes the job may use.",
+    )
+
+    @model_validator(mode="after")
+    def _sizes_for_known_levels(self) -> "TopologySpec":
+        unknown = sorted(set(self.nodes_per_domain) - set(self.levels))
+        if unknown:
+            raise ValueError(
+                f"parallelism.topology.nodesPerDomain names {', '.join(unknown)}, which are not in "
+                "parallelism.topology.levels: add them to levels or remove them"
+            )
+        bad = sorted(k for k, v in self.nodes_per_domain.items() if v < 1)
+        if bad:
+            raise ValueError(f"parallelism.topology.nodesPerDomain[{', '.join(bad)}] must be >= 1")
+        return self
+
+
+class ParallelPlanSpec(ApiModel):
+    """Explicit parallel degrees; a degree left out is chosen automatically from the topology.
+
+    dpReplicate x dpShard x cp x tp must equal numNodes x procsPerNode; ep divides dpShard.
+    """
+
+    dp_replicate: int | None = Field(None, ge=-1, description="HSDP replicas (outermost); -1: the ranks left over.")
+    dp_shard: int | None = Field(None, ge=-1, description="ZeRO shard group size; -1: the ranks left over.")
+    ep: int | None = Field(None, ge=1, description="Expert parallel degree (Wukong experts split over ep ranks).")
+    cp: int | None = Field(None, ge=1, description="Context parallel degree (a batch's sequences split over cp ranks).")
+    tp: int | None = Field(None, ge=1, description="Tensor parallel degree (within a node).")
+    sparse_shard: int | None = Field(
+        None, ge=1, description="Data ranks that row-shard each large embedding table (default dpShard x cp)."
+    )
+
+    def given(self) -> dict[str, int]:
+        """The degrees the user set, camelCase, for gem.parallel.plan.ParallelPlan.from_config."""
+        return {k: v for k, v in self.model_dump(by_alias=True).items() if v is not None}
+
+
+class PlacementMode(str, Enum):
+    auto = "auto"
+    kueue = "kueue"
+    affinity = "affinity"
+    none = "none"
 
 
 class ParallelismSpec(ApiModel):
@@ -171,6 +252,15 @@ class ParallelismSpec(ApiModel):
     )
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage, 0 to 3.")
     topology: TopologySpec = Field(default_factory=TopologySpec, description="Network hierarchy for placement.")
+    plan: ParallelPlanSpec | None = Field(
+        None, description="Explicit parallel degrees; omitted ones (or all, when empty) are chosen from the topology."
+    )
+    placement: PlacementMode = Field(
+        PlacementMode.auto,
+        description="How consecutive node ranks are kept in one topology domain: kueue (topology-aware "
+        "scheduling annotations), affinity (pod affinity on the topology labels), none; auto: kueue when "
+        "the job has a Kueue queue, else affinity.",
+    )
 
 
 # --------------------------------------------------------------------------- placement
@@ -221,6 +311,10 @@ class MLflowSpec(ApiModel):
     credentials_secret: str | None = Field(
         None,
         description="Name of a Secret whose keys (e.g. MLFLOW_TRACKING_TOKEN) become the trainer's environment.",
+    )
+    register_model: bool = Field(True, description="Register the final model in the MLflow model registry.")
+    registered_model_name: str | None = Field(
+        None, min_length=1, description="Registered model name; empty means the experiment name."
     )
 
     @model_validator(mode="after")
@@ -312,6 +406,16 @@ class DistillationSpec(ApiModel):
     )
     temperature: float = Field(1.0, gt=0, le=100, description="Softening temperature of teacher logits.")
     alpha: float = Field(0.5, ge=0, le=1, description="Weight of the distillation loss against the label loss.")
+    beta: float = Field(
+        1.0, ge=0, le=10,
+        description="loopfm: scale of the auxiliary (distillation) head's gradient into the shared student body.",
+    )
+    memory_k: int = Field(
+        16, ge=1, le=4096, description="loopfm: the user's most recent foundation-model embeddings the student reads."
+    )
+    memory_retention_seconds: int | None = Field(
+        None, ge=1, description="loopfm: embeddings older than this are dropped from the memory; empty keeps all."
+    )
 
 
 class LoopFMDistillSpec(CommonJobSpec):
@@ -369,6 +473,31 @@ class ReplicaCounts(ApiModel):
     failed: int = Field(0, ge=0, description="Pods that failed.")
 
 
+class ParallelPlanStatus(ApiModel):
+    dp_replicate: int = Field(1, description="HSDP replicas.")
+    dp_shard: int = Field(1, description="ZeRO shard group size.")
+    ep: int = Field(1, description="Expert parallel degree.")
+    cp: int = Field(1, description="Context parallel degree.")
+    tp: int = Field(1, description="Tensor parallel degree.")
+    sparse_shard: int = Field(1, description="Ranks sharding each large embedding table.")
+    zero_stage: int = Field(1, description="DeepSpeed ZeRO stage.")
+    chosen: Literal["auto", "spec"] = Field("auto", description="auto: chosen from the topology; spec: as given.")
+    reason: str = Field("", description="Why this plan: which dimension sits on which network level.")
+    group_levels: dict[str, str] = Field(
+        default_factory=dict, description="Network level each group stays inside (tp: node, ep: block, ...)."
+    )
+
+
+class PlacementStatus(ApiModel):
+    mode: str = Field("none", description="kueue, affinity or none, as applied to the pods.")
+    domains: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="Per topology level, domain -> node ranks landed in it (e.g. 0-3)."
+    )
+    violations: list[str] = Field(
+        default_factory=list, description="Plan groups whose ranks left the level they must stay in."
+    )
+
+
 class JobStatus(ApiModel):
     phase: Phase | None = Field(None, description="Where the job is in its life.")
     message: str | None = Field(None, description="A one-line summary of the latest condition.")
@@ -385,6 +514,8 @@ class JobStatus(ApiModel):
         default_factory=dict, description="Final evaluation metrics, e.g. ne/click, auc/click."
     )
     ne: float | None = Field(None, description="Headline NE: mean normalized entropy over tasks (lower is better).")
+    parallel_plan: ParallelPlanStatus | None = Field(None, description="The 5D parallel plan and why.")
+    placement: PlacementStatus | None = Field(None, description="Where the node ranks landed in the topology.")
     start_time: str | None = Field(None, description="When the trainer pods started.")
     completion_time: str | None = Field(None, description="When the job finished.")
 
