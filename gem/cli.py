@@ -106,7 +106,7 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
 
     from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
     from gem.train import checkpoint
-    from gem.train.task import load_splits
+    from gem.data.sources import load_data
 
     if checkpoint_dir is None:
         meta = manifest.metadata
@@ -116,7 +116,7 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
             raise ConfigError(f"no complete checkpoint under {job}: train first or pass --checkpoint DIR")
         checkpoint_dir = str(latest)
     model, _ = checkpoint.load_model(checkpoint_dir)
-    _, eval_examples = load_splits(manifest.spec.data)
+    eval_examples = load_data(manifest.spec.data, max_history=model.max_seq_len).eval
     preds = collect_predictions(model, eval_examples, max_seq_len=model.max_seq_len, rank=0, world_size=1,
                                 device=torch.device("cpu"))
     metrics = metrics_from_predictions([preds])

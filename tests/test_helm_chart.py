@@ -216,7 +216,7 @@ def test_namespaced_rbac_splits_rbac_rules() -> None:
     assert sorted(roles) == ["team-a", "team-b"]
     cluster = grants[("ClusterRole", "")]
     # Only the read-only rules on cluster-scoped resources are cluster-wide ...
-    assert {r for _, r, _ in cluster} == {"customresourcedefinitions", "namespaces"}
+    assert {r for _, r, _ in cluster} == {"customresourcedefinitions", "namespaces", "nodes"}
     assert {v for _, _, v in cluster} <= {"get", "list", "watch"}
     # ... and each namespace gets the rest: together, exactly RBAC_RULES.
     for ns, grant in roles.items():
@@ -235,7 +235,9 @@ def test_rbac_grants_nothing_dangerous() -> None:
     resources = {r for _, r, _ in everything}
     verbs = {v for _, _, v in everything}
     assert "*" not in resources | verbs | {g for g, _, _ in everything}
-    assert not resources & {"secrets", "pods/exec", "pods/attach", "pods/portforward", "serviceaccounts/token", "nodes"}
+    assert not resources & {"secrets", "pods/exec", "pods/attach", "pods/portforward", "serviceaccounts/token"}
+    # Nodes: read-only, for their topology labels (docs/parallelism.md); never patched or deleted.
+    assert {v for _, r, v in everything if r == "nodes"} == {"get", "list"}
     assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
     # Subresources: status (ours) and pods/log, read-only (the trainer's progress lines).
     assert all(r.endswith("/status") or "/" not in r or r == "pods/log" for r in resources)
@@ -291,15 +293,17 @@ def test_deployment_runs_one_operator_safely() -> None:
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
 
 
-def test_probes_hit_kopfs_liveness_endpoint() -> None:
+def test_probes_hit_liveness_and_readiness_endpoints() -> None:
     c = operator_container(render())
     args = parse_args(c["args"])  # the operator's own parser accepts what the chart passes
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     assert args.peering is None, "one replica, standalone: kopf peering would need RBAC the operator does not have"
+    assert args.readiness == "http://0.0.0.0:8081/readyz"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"health": 8080, "metrics": 9090}
-    for probe in (c["livenessProbe"], c["readinessProbe"]):
-        assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert ports == {"health": 8080, "ready": 8081, "metrics": 9090}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # readiness asks more than liveness: the API server answers and our CRDs and RBAC are in place
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ready"}
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,8 @@ BAD_COMBINATIONS = [
     ({"operator": {"nodePool": "system"}}, 'operator.nodePool "system" is not a key of nodePools'),
     ({"trainer": {"nodePool": "tpu"}}, 'trainer.nodePool "tpu" is not a key of nodePools'),
     ({"metrics": {"port": 8080}}, "operator.health.port and metrics.port are both 8080"),
+    ({"metrics": {"port": 8081}}, "operator.readiness.port and metrics.port are both 8081"),
+    ({"operator": {"readiness": {"port": 8080}}}, "operator.readiness.port and operator.health.port are both 8080"),
 ]
 
 

@@ -81,6 +81,7 @@ def test_get_and_list_formats(home):
     wide = gemctl("list", "gt", "-A", "--local").stdout.splitlines()
     assert wide[0].split() == ["NAMESPACE", "NAME", "PHASE", "PROGRESS", "NE", "AGE"]
     assert [line.split()[:2] for line in wide[1:]] == [["default", "a"], ["team-b", "b"]]
+    assert all(line == line.rstrip() for line in table + listing + wide), "tables end their lines cleanly"
     assert json.loads(gemctl("list", "gemt", "-A", "-l", "team=ads", "--local", "-o", "json").stdout)["kind"] == "List"
     empty = gemctl("list", "lfd", "--local")
     assert empty.exit_code == 0 and "No resources found in default namespace." in empty.stderr

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from gem.api.types import DataSpec, GEMTraining
-from gem.data import Batch, Examples, ShardedLoader, build_splits
+from gem.data import Batch, Examples
+from gem.data.sources import load_data
 from gem.model import GEMModel, config_from_spec
 from gem.model.loss import multitask_bce
 
@@ -34,24 +35,16 @@ class Task(Protocol):
         ...
 
 
-def load_splits(data: DataSpec) -> tuple[Any, Examples]:
-    """(train, eval): train is Examples (synthetic) or a streamed ParquetSource (parquet, see docs/data.md)."""
-    if str(data.source) == "parquet":
-        from gem.data.parquet import load_parquet_splits
+def load_splits(data: DataSpec, *, max_history: int = 64) -> tuple[Any, Examples]:
+    """(train, eval) of a single-source spec: train is Examples or a streamed ParquetSource (docs/data.md).
 
-        return load_parquet_splits(data.path)
-    if str(data.source) != "synthetic":
-        raise NotImplementedError(f"data.source {data.source!r} is not supported by this trainer")
-    return build_splits(data.synthetic)
-
-
-def build_train_loader(train: Any, **kwargs: Any) -> Any:
-    """ShardedLoader over in-memory Examples, ParquetLoader over a ParquetSource (same interface)."""
-    if isinstance(train, Examples):
-        return ShardedLoader(train, **kwargs)
-    from gem.data.parquet import ParquetLoader
-
-    return ParquetLoader(train, **kwargs)
+    Mixed specs (data.sources) go through gem.data.sources.load_data, which the trainer uses.
+    """
+    splits = load_data(data, max_history=max_history)
+    if splits.mixed:
+        raise ValueError("this command reads one data source; data.sources mixes several: "
+                         "use data.source (or one entry in data.sources)")
+    return next(iter(splits.train.values())), splits.eval
 
 
 class GEMTask:

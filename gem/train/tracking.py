@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +26,17 @@ import yaml
 
 log = logging.getLogger("gem.train")
 
-REGISTER_ENV = "GEM_MLFLOW_REGISTER"  # "0": do not register the final model
-REGISTERED_NAME_ENV = "GEM_REGISTERED_MODEL_NAME"  # registry name (default: the experiment name)
 FLUSH_EVERY = 20  # buffered step metrics are written in one log_batch call this often
+_NOT_IN_MLFLOW_NAMES = re.compile(r"[^\w./\- :]")
+
+
+def mlflow_metric_name(key: str) -> str:
+    """Our metric keys in MLflow's alphabet: `ne/click@feed` -> `ne/click/feed`, `a=b` -> `a_b`.
+
+    MLflow names allow only letters, digits, _ - . / space and colon; the status and JSON reports
+    keep the original keys.
+    """
+    return _NOT_IN_MLFLOW_NAMES.sub("_", key.replace("@", "/"))
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -112,7 +121,7 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        self._buffer.extend(Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items())
         if len(self._buffer) >= FLUSH_EVERY * len(metrics):
             self.flush()
 
@@ -141,12 +150,13 @@ class Tracker:
     def register_model(self) -> str | None:
         """Register runs:/<run>/checkpoint in the model registry; returns "name/version" or None.
 
-        Name: $GEM_REGISTERED_MODEL_NAME, else the experiment name (proposed API field:
-        spec.mlflow.registeredModelName). Stores without a registry (file stores) only warn.
+        spec.mlflow.registerModel turns it off; the name is spec.mlflow.registeredModelName, else the
+        experiment name. Stores without a registry (file stores) only warn.
         """
-        if not self.active or not self.run_id or os.environ.get(REGISTER_ENV, "1") == "0":
+        mlflow_spec = self.manifest.spec.mlflow
+        if not self.active or not self.run_id or not mlflow_spec.register_model:
             return None
-        name = os.environ.get(REGISTERED_NAME_ENV) or self.manifest.spec.mlflow.experiment
+        name = mlflow_spec.registered_model_name or mlflow_spec.experiment
         try:
             from mlflow.exceptions import MlflowException
 

@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gem.data import Batch, ShardedLoader
+from gem.data import Batch
+from gem.data.sources import load_data
 from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
 from gem.train import checkpoint
 from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
 from gem.train.optim import build_optimizer
 from gem.train.precision import apply_precision
-from gem.train.task import Task, build_train_loader, load_splits
+from gem.train.task import Task
 from gem.train.tracking import Tracker
 
 log = logging.getLogger("gem.train")
@@ -71,7 +72,8 @@ class Trainer:
         training = self.spec.training
         # Same seed on every rank: identical initial weights (ZeRO-3 partitions each rank's copy).
         seed_everything(training.seed)
-        self.train_examples, self.eval_examples = load_splits(self.spec.data)
+        self.data = load_data(self.spec.data, max_history=self.task.max_seq_len)
+        self.eval_examples = self.data.eval
         model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
         self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
         model = self.parallel.model
@@ -81,14 +83,16 @@ class Trainer:
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=self.parallel.mpu)
         # tensor- and context-parallel peers read the same data shard
-        self.loader = build_train_loader(self.train_examples, batch_size=training.batch_size,
-                                    max_seq_len=self.task.max_seq_len, rank=self.parallel.data_rank,
-                                    world_size=self.parallel.data_world_size, seed=training.seed)
+        self.loader = self.data.train_loader(batch_size=training.batch_size, max_seq_len=self.task.max_seq_len,
+                                             rank=self.parallel.data_rank,
+                                             world_size=self.parallel.data_world_size, seed=training.seed)
         if self.env.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             log.info("job=%s world_size=%d zero_stage=%d precision=%s params=%d train_examples=%d eval_examples=%d",
                      self.job_dir, self.env.world_size, self.spec.parallelism.zero_stage,
-                     training.precision, n_params, len(self.train_examples), len(self.eval_examples))
+                     training.precision, n_params, self.data.num_train_examples(), len(self.eval_examples))
+            if self.data.mixed:
+                log.info("data mixing: %s", " ".join(f"{n}={w:.3f}" for n, w in self.data.weights.items()))
 
     def _resume(self) -> None:
         ckpt = checkpoint.find_resume_point(self.env, self.job_dir, uid=self.manifest.metadata.uid)
@@ -115,21 +119,29 @@ class Trainer:
         return {"loss": loss.item(), **{f"loss/{k}": v.item() for k, v in parts.items()}}
 
     def evaluate(self) -> dict[str, float]:
-        """NE/AUC per task over the whole eval split (all ranks' shards). Collective."""
+        """NE/AUC per task over the whole eval split (all ranks' shards), and per source when mixing. Collective."""
         self.engine.eval()
 
         def predict(batch: Batch) -> dict[str, torch.Tensor]:
             with self._autocast():
                 return self.engine(batch)
 
-        mine = collect_predictions(predict, self.eval_examples, max_seq_len=self.task.max_seq_len,
-                                   rank=self.parallel.data_rank, world_size=self.parallel.data_world_size,
-                                   device=self.env.device)
+        per_source: dict[str, list[dict]] = {}
+        for name, examples in self.data.eval_sources.items():
+            mine = collect_predictions(predict, examples, max_seq_len=self.task.max_seq_len,
+                                       rank=self.parallel.data_rank, world_size=self.parallel.data_world_size,
+                                       device=self.env.device)
+            # one copy per data shard (tp/cp peers predicted the same examples); shard order = eval split order
+            parts = all_gather_objects(mine if self.parallel.is_data_writer else None)
+            per_source[name] = [p for p in parts if p is not None]
         self.engine.train()
-        # one copy per data shard (tp/cp peers predicted the same examples); data-shard order = eval split order
-        parts = all_gather_objects(mine if self.parallel.is_data_writer else None)
-        self._predictions = [p for p in parts if p is not None]  # (gem/eval/report.py)
-        return metrics_from_predictions(self._predictions)
+        # in the order of self.eval_examples (gem/eval/report.py lines predictions up with it)
+        self._predictions = [p for name in self.data.evaluated for p in per_source[name]]
+        metrics = metrics_from_predictions(self._predictions)
+        if self.data.mixed:  # the effect of each source's weight, visible per source
+            for name, parts in per_source.items():
+                metrics.update({f"{k}@{name}": v for k, v in metrics_from_predictions(parts).items()})
+        return metrics
 
     def _save(self) -> Path:
         state = {"step": self.step, "totalSteps": self.total_steps, "loader": self.loader.state_dict(),

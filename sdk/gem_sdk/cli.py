@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 import yaml
@@ -62,6 +62,14 @@ def _console(stderr: bool = False) -> Console:
     # Like kubectl, never squeeze tables into 80 columns when the output is not a terminal.
     stream = sys.stderr if stderr else sys.stdout
     return Console(file=stream, highlight=False, soft_wrap=True, width=None if stream.isatty() else 200)
+
+
+def _print_table(table: Any) -> None:
+    """A table without the padding rich puts after the last column (clean for grep, diff and awk)."""
+    console = _console()
+    with console.capture() as captured:
+        console.print(table)
+    console.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
 
 class Output(str, Enum):
@@ -142,7 +150,7 @@ def _show(objs: list[Resource], output: Output, *, single: bool, show_namespace:
     elif output is Output.json:
         sys.stdout.write(to_json(objs, single=single) + "\n")
     else:
-        _console().print(objects_table(objs, show_namespace=show_namespace, show_kind=show_kind))
+        _print_table(objects_table(objs, show_namespace=show_namespace, show_kind=show_kind))
 
 
 def _show_final(obj: Resource, output: Output) -> None:
@@ -153,7 +161,7 @@ def _show_final(obj: Resource, output: Output) -> None:
     _console().print(f"{_ref(obj)} {str(phase).lower()}", markup=False)
     table = metrics_table(obj)
     if table is not None:
-        _console().print(table)
+        _print_table(table)
     if obj.status and obj.status.latest_checkpoint:
         _console().print(f"checkpoint: {obj.status.latest_checkpoint}", markup=False)
     mlflow = obj.status.mlflow if obj.status else None
@@ -378,7 +386,7 @@ def pods(
             if not items:
                 _console(stderr=True).print(f"No pods of {kind.lower()}.gem.dev/{name} exist now.", markup=False)
                 return
-            _console().print(pods_table(items))
+            _print_table(pods_table(items))
         elif output is Output.yaml:
             sys.stdout.write(yaml.safe_dump(pods_to_wire(items), sort_keys=False))
         else:
@@ -405,7 +413,7 @@ def metrics(
         client = _client(local, kubeconfig, context, namespace, mlflow_tracking_uri)
         history = client.metrics(name, kind=kind, namespace=namespace, keys=key or None)
         if output is Output.table:
-            _console().print(history_table(history, title=f"{kind} {name}: metric history"))
+            _print_table(history_table(history, title=f"{kind} {name}: metric history"))
         elif output is Output.yaml:
             sys.stdout.write(yaml.safe_dump(history_to_wire(history), sort_keys=False))
         else:
