@@ -17,11 +17,16 @@ LogNormal(mu=5, sigma=1) rounded and clipped to [8, 2048], seed 0.
   block_attention_scaling       block attention time per sequence, L=16384 over L=2048
   compskip_flop_reduction       1 - FLOPs(CompSkip on) / FLOPs(off), `small`, counted
   pffn_forward_speedup          forward of `small` with a 4d-wide per-token FFN / with the PFFN
+                                (the same block, norms and activation; only the FFN differs)
   train_step_speedup_vs_padded  padded-attention GEM step / GEM step (`small`, fwd+bwd+AdamW)
-  mfu                           GEM step FLOPs (3 x forward) / time / measured bf16 matmul peak
+  mfu                           GEM step FLOPs (3 x forward) / time / fastest measured matmul peak
 
 Precision: every model and kernel is timed in fp32 and in bf16 (autocast) in the same rounds
-and the faster one is used; both are in the JSON. Writes the JSON and a PNG beside it.
+and the faster one is used; both are in the JSON. A CPU without native bf16 matmuls (AVX2 only:
+PyTorch then runs bf16 GEMMs at ~0.25 GFLOP/s, hundreds of times slower than fp32) would spend hours
+on contenders that can never win: a probe matmul decides first, and bf16 is skipped (and the
+reason recorded) when it is more than 2x slower than fp32. MFU is measured against the fastest
+dense matmul the machine ran (bf16 where it has it). Writes the JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -88,10 +93,6 @@ def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
     return best(times, num) / best(times, den)
 
 
-def faster(times: dict[str, list[float]], a: str, b: str) -> str:
-    return a if best(times, a) <= best(times, b) else b
-
-
 def best(times: dict[str, list[float]], name: str) -> float:
     return min(times[name])
 
@@ -100,15 +101,49 @@ def summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {k: {"best_s": min(v), "median_s": statistics.median(v)} for k, v in times.items()}
 
 
-def matmul_peak_fns() -> dict[str, Callable[[], object]]:
-    """A large square matmul in bf16 and fp32: the machine's measured matmul peak."""
+def matmul_peak_fns(dtypes: tuple[str, ...]) -> dict[str, Callable[[], object]]:
+    """A large square matmul in every timed precision: the machine's measured matmul peak."""
     n = 2048
     a32, b32 = torch.randn(n, n), torch.randn(n, n)
-    a16, b16 = a32.bfloat16(), b32.bfloat16()
-    return {"peak_bf16": lambda: a16 @ b16, "peak_fp32": lambda: a32 @ b32}
+    fns = {"peak_fp32": lambda: a32 @ b32}
+    if "bf16" in dtypes:
+        a16, b16 = a32.bfloat16(), b32.bfloat16()
+        fns["peak_bf16"] = lambda: a16 @ b16
+    return fns
 
 
 PEAK_FLOPS = 2.0 * 2048**3
+BF16_MAX_SLOWDOWN = 2.0  # native bf16 (AMX, AVX512-BF16) is faster than fp32; emulated is not
+
+
+def precision_probe(n: int = 512, reps: int = 3) -> dict:
+    """Which precisions to time: bf16 only where its matmul is not far slower than fp32's."""
+    a = torch.randn(n, n)
+    b = a.bfloat16()
+    times = {}
+    for name, x in (("fp32", a), ("bf16", b)):
+        x @ x
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x @ x
+            t.append(time.perf_counter() - t0)
+        times[name] = min(t)
+    slowdown = times["bf16"] / times["fp32"]
+    use = slowdown <= BF16_MAX_SLOWDOWN
+    return {"dtypes": ["fp32", "bf16"] if use else ["fp32"], "probe_matmul": n,
+            "probe_seconds": times, "bf16_over_fp32": slowdown,
+            "bf16": "timed" if use else (f"skipped: a {n}^3 bf16 matmul is {slowdown:.0f}x slower than fp32 "
+                                         f"(no native bf16 on this CPU: {torch.backends.cpu.get_cpu_capability()})")}
+
+
+DTYPES: tuple[str, ...] = ("fp32", "bf16")  # set by main() from precision_probe()
+TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fastest(times: dict[str, list[float]], prefix: str) -> str:
+    """The faster of f"{prefix}_{dtype}" over the timed precisions."""
+    return min((f"{prefix}_{dt}" for dt in DTYPES), key=lambda k: best(times, k))
 
 
 # --------------------------------------------------------------------------- workloads
@@ -125,6 +160,7 @@ def bench_jagged_attention(num_rounds: int) -> dict:
     g = torch.Generator().manual_seed(SEED)
     q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=g) for _ in range(3))
     qkv = {torch.float32: (q, k, v), torch.bfloat16: tuple(x.bfloat16() for x in (q, k, v))}
+    loop_dtype = TORCH_DTYPE[DTYPES[-1]]
     p = torch.arange(max_len)
     valid = p[None, :] < lengths[:, None]  # [B, Lmax]
     rows = torch.where(valid, offsets[:-1, None] + p[None, :], total)
@@ -142,13 +178,14 @@ def bench_jagged_attention(num_rounds: int) -> dict:
 
     def loop():
         return torch.cat([F.scaled_dot_product_attention(*(x[int(offsets[b]):int(offsets[b + 1])].transpose(0, 1)
-                                                           for x in qkv[torch.bfloat16])).transpose(0, 1)
+                                                           for x in qkv[loop_dtype])).transpose(0, 1)
                           for b in range(BATCH)])
 
-    fns = {"padded_fp32": padded(torch.float32), "padded_bf16": padded(torch.bfloat16),
-           "jagged_fp32": jagged(torch.float32), "jagged_bf16": jagged(torch.bfloat16), "per_sequence_loop_bf16": loop}
+    fns = {f"{name}_{dt}": make(TORCH_DTYPE[dt]) for name, make in (("padded", padded), ("jagged", jagged))
+           for dt in DTYPES}
+    fns[f"per_sequence_loop_{DTYPES[-1]}"] = loop
     times = rounds(fns, num_rounds=num_rounds)
-    best_padded, best_jagged = faster(times, "padded_fp32", "padded_bf16"), faster(times, "jagged_fp32", "jagged_bf16")
+    best_padded, best_jagged = fastest(times, "padded"), fastest(times, "jagged")
     # Same outputs: the fast path against the padded one, both in fp32.
     err = (jagged(torch.float32)() - padded(torch.float32)()).abs().max().item()
     pairs = float((lengths.double() ** 2).sum())
@@ -176,14 +213,14 @@ def bench_block_scaling(num_rounds: int, short: int = 2048, long: int = 16384) -
         q, k, v = (torch.randn(n * L, HEADS, HEAD_DIM, generator=g).bfloat16() for _ in range(3))
         phase = torch.rand(n * L, generator=g) * 100
         plan, cs = plan_blocks(offsets, 64), rotary_cos_sin(phase, HEAD_DIM, base=10000.0, dtype=torch.bfloat16)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = tuple(t.to(dtype) for t in (q, k, v))
-            cs_d = tuple(t.to(dtype) for t in cs)
-            fns[f"{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"] = (
+        for dt in DTYPES:
+            x = tuple(t.to(TORCH_DTYPE[dt]) for t in (q, k, v))
+            cs_d = tuple(t.to(TORCH_DTYPE[dt]) for t in cs)
+            fns[f"{name}_{dt}"] = (
                 lambda x=x, o=offsets, p=phase, pl=plan, c=cs_d: block_attention(*x, o, rotary_phase=p, plan=pl,
                                                                                     rotary_cos_sin=c))
     times = rounds(fns, num_rounds=num_rounds)
-    dt = "bf16" if best(times, "long_bf16") + best(times, "short_bf16") <= best(times, "long_fp32") + best(times, "short_fp32") else "fp32"
+    dt = min(DTYPES, key=lambda d: best(times, f"long_{d}") + best(times, f"short_{d}"))
     # time per sequence: long / 1 over short / n_short
     out["block_attention_scaling"] = paired_ratio(times, f"long_{dt}", f"short_{dt}") * n_short
     out["block_attention_ideal"] = long / short
@@ -231,9 +268,9 @@ def bench_pffn(num_rounds: int) -> dict:
                 return model(inputs)
         return run
 
-    fns = {f"{k}_{dt}": fwd(m, dt) for k, m in models.items() for dt in ("fp32", "bf16")}
+    fns = {f"{k}_{dt}": fwd(m, dt) for k, m in models.items() for dt in DTYPES}
     times = rounds(fns, num_rounds=num_rounds)
-    best = {k: faster(times, f"{k}_fp32", f"{k}_bf16") for k in models}
+    best = {k: fastest(times, k) for k in models}
     return {
         "pffn_forward_speedup": paired_ratio(times, best["token_ffn_4d"], best["pffn"]),
         "pffn_forward_ideal": flops["token_ffn_4d"] / flops["pffn"],
@@ -264,13 +301,14 @@ def bench_train_step(num_rounds: int) -> dict:
     padded = PaddedKunlunModel(cfg)
     lengths = gem.tier_lengths(inputs)
     step_flops = {"gem": 3 * sum(gem.flops(lengths).values()), "padded": 3 * sum(padded.flops(lengths).values())}
-    fns = {"gem_fp32": _train_step(gem, inputs, "fp32"), "gem_bf16": _train_step(gem, inputs, "bf16"),
-           "padded_fp32": _train_step(padded, inputs, "fp32"), "padded_bf16": _train_step(padded, inputs, "bf16")}
-    fns.update(matmul_peak_fns())
+    fns = {f"{name}_{dt}": _train_step(m, inputs, dt) for name, m in (("gem", gem), ("padded", padded))
+           for dt in DTYPES}
+    fns.update(matmul_peak_fns(DTYPES))
     times = rounds(fns, num_rounds=num_rounds)
-    best_gem, best_padded = faster(times, "gem_fp32", "gem_bf16"), faster(times, "padded_fp32", "padded_bf16")
-    # MFU: the step's achieved FLOP rate over the bf16 matmul peak measured in the same rounds.
-    mfu = (step_flops["gem"] / best(times, best_gem)) / (PEAK_FLOPS / best(times, "peak_bf16"))
+    best_gem, best_padded = fastest(times, "gem"), fastest(times, "padded")
+    # MFU: the step's achieved FLOP rate over the fastest matmul peak measured in the same rounds.
+    peak = fastest(times, "peak")
+    mfu = (step_flops["gem"] / best(times, best_gem)) / (PEAK_FLOPS / best(times, peak))
     return {
         "train_step_speedup_vs_padded": paired_ratio(times, best_padded, best_gem),
         "train_step_ideal_vs_padded": step_flops["padded"] / step_flops["gem"],
@@ -278,8 +316,8 @@ def bench_train_step(num_rounds: int) -> dict:
         "mfu_ideal": 1.0,
         "step_flops": step_flops,
         "achieved_gflops": step_flops["gem"] / best(times, best_gem) / 1e9,
-        "peak_bf16_gflops": PEAK_FLOPS / best(times, "peak_bf16") / 1e9,
-        "peak_fp32_gflops": PEAK_FLOPS / best(times, "peak_fp32") / 1e9,
+        "peak_dtype": peak.removeprefix("peak_"),
+        **{f"{k}_gflops": PEAK_FLOPS / best(times, k) / 1e9 for k in fns if k.startswith("peak_")},
         "seconds": summary(times), "chosen": {"gem": best_gem, "padded": best_padded},
         "tokens_per_tier": {k: int(v.sum()) for k, v in lengths.items()},
     }
@@ -335,11 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run; noisier figures)")
     p.add_argument("--out", type=Path, default=RESULTS / "model.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads (default: PyTorch's). On a machine loaded past its cores, 1 thread "
+                        "never waits a scheduler slice for a second one, so its ratios are far less noisy")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     n = 2 if args.quick else 5
     t0 = time.time()
     load_before = os.getloadavg()
+    global DTYPES
+    precision = precision_probe()
+    DTYPES = tuple(precision["dtypes"])
+    print(f"precisions timed: {DTYPES} (bf16 {precision['bf16']})", flush=True)
     parts = {}
     parts["jagged_attention"] = bench_jagged_attention(n)
     print("jagged attention done", flush=True)
@@ -351,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     parts["train_step"] = bench_train_step(max(2, n - 1))
     results = {k: v for part in parts.values() for k, v in part.items() if isinstance(v, (int, float))}
     doc = {
-        "command": "python -m benchmarks.model" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.model" + (" --quick" if args.quick else "")
+                   + (f" --threads {args.threads}" if args.threads else ""),
         "machine": {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "processor": platform.processor() or platform.machine(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "precision": precision,
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "workload": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "seed": SEED,

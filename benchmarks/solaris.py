@@ -2,15 +2,20 @@
 
     python -m benchmarks.solaris [--quick] [--checkpoint FM_DIR]
 
-1. A foundation model: the tiny-preset GEM trained briefly on this world (or --checkpoint).
+1. A foundation model: the tiny-preset GEM trained by the transfer benchmark's recipe (one pass
+   over 4x the vertical's impressions of this world, split 3; cached under --cache), or --checkpoint.
 2. Replay: held-out impressions (split 2) in request-time order, on a simulated clock. Every
    `tick` the service asks the predictor for the pairs of recently active users and precomputes
    the missing ones (FM logits, TTL, model version); then the tick's requests are looked up (the
    tier that answered is recorded) and observed (they feed the predictor). The first
-   `warmup_days` are not measured.
-3. Per tier, the NE of the click / conversion prediction served from that tier alone
-   (lookup restricted to it) against the NE of the FM scored live on the exact request, on the
-   same requests: the cost of each fallback.
+   `warmup_days` are not measured. For every measured request each tier is also asked alone
+   (lookup restricted to it), and the FM is run live on the exact request (the "exact pair").
+3. The vertical model: a LoopFM student (the transfer benchmark's, reading the FM's embedding
+   memory of the train and replayed impressions point-in-time) trained on the train split. Per
+   tier it consumes the Solaris value through gem.solaris.vertical.TierBlend (its own logit and
+   the value, blended per tier), fitted on the first half of the measured requests that tier can
+   answer and scored on the second half, against the same model fed the exact pair: the NE
+   cost of each fallback. (`ne_by_tier_raw_fm_value`: the raw FM value served as the prediction.)
 4. Lookup latency under concurrent load: the aiohttp service on 127.0.0.1, `--requests` GETs with
    `--concurrency` in flight (client-side p50/p99), and the in-process library lookup.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -29,7 +35,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -44,21 +49,21 @@ def world_spec(quick: bool) -> dict:
             "numEvalExamples": 1000, "meanHistoryLen": 24}
 
 
-def train_fm(data: dict, steps: int, work: Path) -> str:
-    from gem import cli
+def train_fm(data: dict, steps: int, cache: Path) -> str:
+    """A tiny GEM trained by the transfer benchmark's loop on the world's FM traffic (FM_DATA_FACTOR x
+    the vertical's train split, one pass), cached under `cache`."""
+    from benchmarks.transfer import FM_DATA_FACTOR, FM_SPLIT
+    from benchmarks.transfer import train_fm as train
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.synthetic import SyntheticWorld
 
-    manifest = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining",
-                "metadata": {"name": "solaris-fm", "namespace": "bench"},
-                "spec": {"model": {"preset": "tiny"}, "data": {"synthetic": data},
-                         "training": {"steps": steps, "batchSize": 128, "warmupSteps": 10, "learningRate": 0.003},
-                         "checkpoint": {"path": str(work / "ckpt"), "everySteps": steps},
-                         "mlflow": {"enabled": False}}}
-    path = work / "fm.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(work / "fm.report.json")
-    if cli.main(["train", "--config", str(path)]) != 0:
-        raise RuntimeError("training the FM failed")
-    return json.loads((work / "fm.report.json").read_text())["checkpoint"]
+    probe = SyntheticWorld(SyntheticDataSpec.model_validate(data)).sample(256, split=0)  # the world's fingerprint
+    key = hashlib.sha1(json.dumps([data, steps, FM_DATA_FACTOR, FM_SPLIT]).encode() + probe.p_click.tobytes()
+                       + probe.seq_ad_id.tobytes())
+    out = cache / key.hexdigest()[:12] / "fm"
+    if not (out / "model.pt").is_file():
+        train(data, steps, out, split=FM_SPLIT, num_examples=FM_DATA_FACTOR * data["numTrainExamples"])
+    return str(out)
 
 
 def _ne(y: np.ndarray, logit: np.ndarray) -> float:
@@ -68,7 +73,7 @@ def _ne(y: np.ndarray, logit: np.ndarray) -> float:
 
 
 def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: float, warmup_days: float,
-           per_user: int, num_segments: int) -> tuple[object, dict, np.ndarray]:
+           per_user: int, num_segments: int, vertical_steps: int) -> tuple[object, dict, np.ndarray]:
     from gem.api.types import SyntheticDataSpec
     from gem.data.synthetic import SyntheticWorld
     from gem.loopfm.logging import model_version_of
@@ -160,14 +165,108 @@ def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: flo
     result = {
         "hit_rate": {t: counts[t] / len(rows_m) for t in TIERS},
         "requests_measured": len(rows_m),
-        "ne_by_tier": per_tier,
+        "ne_by_tier_raw_fm_value": per_tier,
         "ne_click_served": _ne(click, served[:, 0]),
         "ne_click_exact_live": _ne(click, live[:, 0]),
         "precomputed_pairs": computed,
         "precompute_examples_per_s": computed / max(compute_s, 1e-9),
         "store": store.stats(),
     }
+    result["vertical"] = vertical_by_tier(model, world, data, stream, rows_m, forced, live, served,
+                                          np.array(tiers_seen), steps=vertical_steps)
     return service, result, rows_m
+
+
+STUDENT = {"embeddingDim": 16, "hiddenDim": 64, "maxSeqLen": 8}  # the transfer benchmark's LoopFM student
+
+
+def vertical_by_tier(fm, world, data: dict, stream, rows_m: np.ndarray, forced: dict, live: np.ndarray,
+                     served: np.ndarray, served_tier: np.ndarray, *, steps: int) -> dict:
+    """NE of the vertical model (a LoopFM student over this FM's memory) fed each tier's Solaris value.
+
+    The student is trained on the world's train split (its memory: the FM's embeddings of the
+    train and replayed impressions, read point-in-time). Per tier, it consumes the value through a
+    TierBlend fitted on the first half (in time) of the measured requests the tier can answer, and
+    is scored on the second half; the reference is the same blend fitted on the FM run live on
+    the exact request ("exact pairs"), on the same requests.
+    """
+    import torch
+
+    from benchmarks.transfer import FM_DATA_FACTOR, FM_SPLIT, train_loop
+    from gem.api.types import DistillationSpec, StudentSpec
+    from gem.data.batch import make_batch
+    from gem.loopfm.logging import UserRepresentation, embed_examples, log_stream
+    from gem.loopfm.memory import EmbeddingMemory
+    from gem.loopfm.student import LoopFMStudent
+    from gem.loopfm.task import loopfm_loss
+    from gem.solaris.fallback import TIERS
+    from gem.solaris.vertical import TierBlend
+
+    train = world.sample(data["numTrainExamples"], split=0)
+    with tempfile.TemporaryDirectory(prefix="gem-solaris-memory-") as tmp:
+        memory = EmbeddingMemory(tmp)
+        fm_traffic = world.sample(FM_DATA_FACTOR * data["numTrainExamples"], split=FM_SPLIT)
+        log_stream(fm, [fm_traffic, train, stream], memory, "fm")  # everything the FM scored
+        index = memory.index()
+    _, teacher_np = embed_examples(fm, train)
+    teacher = {k: torch.from_numpy(v) for k, v in teacher_np.items()}
+    dist = DistillationSpec(method="loopfm", alpha=0.5, temperature=2.0)
+
+    def loss(m, b, idx):
+        t = {k: v[idx] for k, v in teacher.items()}
+        return loopfm_loss(m(b, t), t, b, alpha=dist.alpha, temperature=dist.temperature)
+
+    with torch.enable_grad():  # FMScorer turned gradients off process-wide
+        torch.manual_seed(0)
+        student = LoopFMStudent.from_spec(StudentSpec.model_validate(STUDENT), dist, UserRepresentation(fm).dim)
+        student.attach_memory(index)
+        train_loop(student, loss, train, steps=steps, seed=0, max_seq_len=fm.max_seq_len)
+    with torch.no_grad():
+        outs = [student(make_batch(stream, rows_m[lo : lo + 1024], max_seq_len=fm.max_seq_len))
+                for lo in range(0, len(rows_m), 1024)]
+    s_logit = np.stack([np.concatenate([o[t].numpy() for o in outs]) for t in ("click", "conversion")], 1)  # [M, 2]
+
+    y = np.stack([stream.click[rows_m], stream.conversion[rows_m]], 1)  # [M, 2]
+    task_rows = np.stack([np.ones(len(rows_m), bool), y[:, 0] > 0], 1)  # conversion: clicked requests only
+    calib = np.arange(len(rows_m)) < len(rows_m) // 2  # measured rows are in request-time order
+
+    def blended_ne(avail: np.ndarray, tier_of: np.ndarray, value: np.ndarray) -> list[float]:
+        """[NE click, NE conversion] on the test half of `avail`, blend fitted on its calibration half."""
+        nes = []
+        for k in range(2):
+            fit, test = avail & calib & task_rows[:, k], avail & ~calib & task_rows[:, k]
+            blend = TierBlend().fit(tier_of[fit], s_logit[fit, k], value[fit, k], y[fit, k])
+            nes.append(_ne(y[test, k], blend.predict(tier_of[test], s_logit[test, k], value[test, k])))
+        return nes
+
+    def student_ne(avail: np.ndarray) -> list[float]:
+        return [_ne(y[avail & ~calib & task_rows[:, k], k], s_logit[avail & ~calib & task_rows[:, k], k])
+                for k in range(2)]
+
+    everywhere = np.ones(len(rows_m), bool)
+    live_tier = np.full(len(rows_m), "live")
+    out: dict = {"student_steps": steps, "requests_fit": int(calib.sum()), "requests_scored": int((~calib).sum())}
+    for tier in TIERS:
+        if not forced[tier]:
+            out[tier] = {"available": 0.0}
+            continue
+        value = np.full((len(rows_m), 2), np.nan, np.float32)
+        idx = np.array([j for j, _ in forced[tier]])
+        value[idx] = np.stack([v for _, v in forced[tier]])
+        avail = np.isfinite(value[:, 0])
+        ne_t = blended_ne(avail, np.full(len(rows_m), tier), np.nan_to_num(value))
+        ne_x = blended_ne(avail, live_tier, live)
+        ne_s = student_ne(avail)
+        out[tier] = {"available": float(avail.mean()), "ne": float(np.mean(ne_t)), "ne_click": ne_t[0],
+                     "ne_conversion": ne_t[1], "ne_exact_pairs": float(np.mean(ne_x)), "ne_click_exact_pairs": ne_x[0],
+                     "ne_student_alone": float(np.mean(ne_s)), "ne_cost": float(np.mean(ne_t) - np.mean(ne_x))}
+    cascade = blended_ne(everywhere, served_tier, served)
+    exact = blended_ne(everywhere, live_tier, live)
+    alone = student_ne(everywhere)
+    out["cascade"] = {"ne": float(np.mean(cascade)), "ne_click": cascade[0], "ne_conversion": cascade[1]}
+    out["exact_pairs_everywhere"] = {"ne": float(np.mean(exact)), "ne_click": exact[0], "ne_conversion": exact[1]}
+    out["student_alone"] = {"ne": float(np.mean(alone)), "ne_click": alone[0], "ne_conversion": alone[1]}
+    return out
 
 
 async def http_load(service, pairs: list[tuple[int, int]], concurrency: int) -> dict:
@@ -216,23 +315,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--checkpoint", help="FM checkpoint dir (default: train a tiny one on this world)")
     ap.add_argument("--fm-steps", type=int, default=None)
+    ap.add_argument("--vertical-steps", type=int, default=None, help="training steps of the vertical LoopFM student")
     ap.add_argument("--stream", type=int, default=None, help="replayed requests")
     ap.add_argument("--ttl-hours", type=float, default=48.0)
     ap.add_argument("--tick-hours", type=float, default=6.0)
     ap.add_argument("--requests", type=int, default=2000, help="HTTP lookups in the load test")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "gem-solaris-cache"),
+                    help="where the trained FM is kept between runs (keyed by world + FM steps)")
     ap.add_argument("--out", default=str(RESULTS / "solaris.json"))
     args = ap.parse_args(argv)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
+    import torch
+
+    from benchmarks.transfer import FM_DATA_FACTOR
+
+    torch.set_num_threads(1)  # small models: threads only contend
     data = world_spec(args.quick)
     stream_size = args.stream or (8000 if args.quick else 20000)
-    with tempfile.TemporaryDirectory(prefix="gem-solaris-") as tmp:
-        ckpt = args.checkpoint or train_fm(data, args.fm_steps or (80 if args.quick else 200), Path(tmp))
-        t0 = time.perf_counter()
-        service, result, rows = replay(ckpt, data, stream_size=stream_size, ttl_s=args.ttl_hours * 3600,
-                                       tick_s=args.tick_hours * 3600, warmup_days=5.0, per_user=8, num_segments=16)
-        result["replay_seconds"] = time.perf_counter() - t0
+    fm_steps = args.fm_steps or FM_DATA_FACTOR * data["numTrainExamples"] // 128  # one pass, batch 128
+    vertical_steps = args.vertical_steps or 2 * data["numTrainExamples"] // 128  # two passes, as in the transfer bench
+    ckpt = args.checkpoint or train_fm(data, fm_steps, Path(args.cache))
+    t0 = time.perf_counter()
+    service, result, rows = replay(ckpt, data, stream_size=stream_size, ttl_s=args.ttl_hours * 3600,
+                                   tick_s=args.tick_hours * 3600, warmup_days=5.0, per_user=8, num_segments=16,
+                                   vertical_steps=vertical_steps)
+    result["replay_seconds"] = time.perf_counter() - t0
     stream = service.context
     rng = np.random.default_rng(0)
     pick = rng.choice(rows, size=min(args.requests, len(rows)), replace=len(rows) < args.requests)
@@ -242,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     service.interval_s = 3600.0  # the store is already filled: no background rounds during the load test
     result["latency_http"] = asyncio.run(http_load(service, pairs, args.concurrency))
     result["latency_library"] = library_latency(service, pairs, end)
-    result["config"] = {"data": data, "stream": stream_size, "ttl_hours": args.ttl_hours,
+    result["config"] = {"data": data, "stream": stream_size, "fm_steps": None if args.checkpoint else fm_steps,
+                        "vertical_steps": vertical_steps, "ttl_hours": args.ttl_hours,
                         "tick_hours": args.tick_hours, "warmup_days": 5.0, "per_user": 8, "segments": 16,
                         "quick": args.quick}
     out = Path(args.out)
@@ -265,12 +375,16 @@ def _plot(result: dict, path: Path) -> None:
     a.bar(TIERS, [result["hit_rate"][t] for t in TIERS])
     a.set_ylabel("share of requests answered")
     a.set_title("hit rate per tier (cascade)")
-    tiers = [t for t in TIERS if result["ne_by_tier"][t].get("available")]
+    v = result["vertical"]
+    tiers = [t for t in TIERS if v[t].get("available")]
     x = np.arange(len(tiers))
-    b.bar(x - 0.2, [result["ne_by_tier"][t]["ne_click"] for t in tiers], 0.4, label="served from tier")
-    b.bar(x + 0.2, [result["ne_by_tier"][t]["ne_click_exact_live"] for t in tiers], 0.4, label="FM on exact request")
+    b.bar(x - 0.2, [v[t]["ne"] for t in tiers], 0.4, label="vertical model + value from tier")
+    b.bar(x + 0.2, [v[t]["ne_exact_pairs"] for t in tiers], 0.4, label="vertical model + exact pair (live FM)")
+    b.axhline(v["student_alone"]["ne"], ls="--", color="grey", label="vertical model alone (all requests)")
+    shown = [v[t][k] for t in tiers for k in ("ne", "ne_exact_pairs")] + [v["student_alone"]["ne"]]
+    b.set_ylim(min(shown) - 0.03, max(shown) + 0.03)
     b.set_xticks(x, tiers)
-    b.set_ylabel("click NE (same requests)")
+    b.set_ylabel("NE, mean of click and conversion (same requests)")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -31,7 +31,7 @@ def test_round_trip_is_exact(dataset):
     for ex, back in ((train, src.read_all()), (eval_, back_eval)):
         for f in dataclasses.fields(ex):
             a, b = getattr(ex, f.name), getattr(back, f.name)
-            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), f.name
 
 
 def test_writer_takes_an_iterator_and_missing_columns_are_nan(tmp_path):
@@ -45,6 +45,25 @@ def test_writer_takes_an_iterator_and_missing_columns_are_nan(tmp_path):
     t = pq.read_table(tmp_path / "it" / "part-00000.parquet").drop_columns(["p_click", "p_conversion"])
     ex = table_to_examples(t)
     assert np.isnan(ex.p_click).all() and len(ex) == 1000
+    # a schema-1 file (before dwell, surfaces of events, objectives, delays): unknowns, objective -1
+    v1 = pq.read_table(tmp_path / "it" / "part-00000.parquet").drop_columns(
+        ["dwell", "p_dwell", "seq_surface", "objective", "conversion_delay"])
+    ex = table_to_examples(v1)
+    assert np.isnan(ex.dwell).all() and (ex.objective == -1).all() and (ex.seq_surface == 0).all()
+    assert np.isnan(ex.conversion_delay).all() and np.array_equal(ex.seq_type, train.seq_type[: len(ex.seq_type)])
+
+
+def test_streamed_synthetic_parquet(tmp_path):
+    import json
+
+    from gem.data import SyntheticWorld
+    write_synthetic(SPEC, tmp_path / "s", chunk_size=700, rows_per_file=1000)
+    assert json.loads((tmp_path / "s" / "_gem.json").read_text())["schemaVersion"] == 2
+    back = ParquetSource(tmp_path / "s" / "train").read_all()
+    chunks = list(SyntheticWorld(SPEC).stream(SPEC.num_train_examples, 0, 700))
+    assert len(back) == 3000 and [len(c) for c in chunks] == [700] * 4 + [200]
+    assert np.array_equal(back.seq_ad_id, np.concatenate([c.seq_ad_id for c in chunks]))
+    assert (back.seq_type == 3).any() and len(np.unique(back.surface)) == 4
 
 
 def test_ranks_read_disjoint_data_and_batches_are_length_sorted(dataset):

@@ -12,12 +12,15 @@ from gem.data import build_splits
 from gem.eval.report import build_eval_report, write_eval_report
 
 
-def oracle_parts(ex, ranks=2):
+def oracle_parts(ex, ranks=2, dwell=True):
     """What the trainer gathers: one dict per rank, in rank order (= eval split order)."""
     rng = np.random.default_rng(0)
     cols = {"click": ex.click, "conversion": ex.conversion, "p_click": ex.p_click, "p_conversion": ex.p_conversion,
             "pred_click": ex.p_click, "pred_conversion": np.clip(ex.p_conversion + rng.normal(0, 0.05, len(ex)),
                                                                   0.01, 0.99).astype(np.float32)}
+    if dwell:
+        cols.update({"dwell": ex.dwell, "p_dwell": ex.p_dwell, "surface": ex.surface, "objective": ex.objective,
+                     "pred_dwell": np.full(len(ex), ex.dwell.mean(), np.float32)})  # the base rate: NE 1
     return [{k: v[i] for k, v in cols.items()} for i in np.array_split(np.arange(len(ex)), ranks)]
 
 
@@ -31,14 +34,52 @@ def test_report_json_and_png(tmp_path):
     assert rep["step"] == 7 and rep["numExamples"] == 6000 and rep["metrics"] == {"ne": 0.9, "auc/x": None}
     click = rep["tasks"]["click"]
     assert click["ne"] == pytest.approx(click["bayesNe"])  # predictions = true probabilities
-    assert set(click["bySurface"]) == {"0", "1"}
+    assert set(click["bySurface"]) == {"0", "1", "2", "3"}
+    assert [s["name"] for s in click["bySurface"].values()] == ["feed", "stories", "reels", "offsite"]
     assert sum(s["n"] for s in click["bySurface"].values()) == 6000
-    assert click["bySurface"]["1"]["bayesNe"] == pytest.approx(click["bySurface"]["1"]["ne"])
+    for s in click["bySurface"].values():
+        assert s["bayesNe"] == pytest.approx(s["ne"]) and s["calibration"] == pytest.approx(1.0, abs=0.15)
+    assert set(click["byObjective"]) == {"purchase", "install"}
+    # awareness: a constant base-rate prediction scores NE 1 overall, the true probabilities far less
+    dwell = rep["tasks"]["dwell"]
+    assert dwell["n"] == 6000 and dwell["ne"] == pytest.approx(1.0, abs=1e-6) and dwell["bayesNe"] < 0.95
+    assert set(dwell["bySurface"]) == {"0", "1", "2", "3"}
+    assert all(s["bayesNe"] < s["ne"] for s in dwell["bySurface"].values())
     # an oracle is calibrated: every bin's observed rate is near its mean prediction
-    for b in click["calibrationCurve"]:
-        assert abs(b["meanLabel"] - b["meanPred"]) < 0.06
+    for b in click["calibrationCurve"]:  # within 4.5 standard errors of a bin of n labels
+        assert abs(b["meanLabel"] - b["meanPred"]) < 4.5 * np.sqrt(b["meanPred"] * (1 - b["meanPred"]) / b["n"])
     conv = rep["tasks"]["conversion"]
     assert conv["n"] == int(ev.click.sum()) and conv["ne"] > conv["bayesNe"]  # noisy predictions lose
+
+
+def test_report_of_click_and_conversion_only():
+    """A model without a dwell head (and predictions without surface columns): the report has no dwell."""
+    _, ev = build_splits(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=500))
+    rep = build_eval_report(oracle_parts(ev, ranks=1, dwell=False), ev)
+    assert set(rep["tasks"]) == {"click", "conversion"}
+    assert sum(s["n"] for s in rep["tasks"]["click"]["bySurface"].values()) == 500  # surfaces from the split
+
+
+def test_metrics_cover_dwell_and_surfaces():
+    from gem.eval.evaluate import metrics_from_predictions
+
+    _, ev = build_splits(SyntheticDataSpec(num_users=300, num_ads=80, num_train_examples=10, num_eval_examples=4000))
+    parts = oracle_parts(ev)
+    m = metrics_from_predictions(parts)
+    assert m["ne"] == pytest.approx((m["ne/click"] + m["ne/conversion"]) / 2)  # the headline is unchanged
+    assert m["ne/dwell"] == pytest.approx(1.0, abs=1e-6) and m["bayes_ne/dwell"] < 0.95
+    assert not any("@" in k for k in m)  # per-surface keys only when asked for
+    by = metrics_from_predictions(parts, by_surface=True)
+    for task in ("click", "conversion", "dwell"):
+        for surface in ("feed", "stories", "reels", "offsite"):
+            for kind in ("ne", "auc", "calibration", "bayes_ne"):
+                assert f"{kind}/{task}@surface={surface}" in by
+    feed = ev.surface == 0
+    assert by["bayes_ne/click@surface=feed"] == pytest.approx(
+        metrics_from_predictions([{k: v[feed] for k, v in oracle_parts(ev, ranks=1)[0].items()}])["bayes_ne/click"])
+    # unknown labels (NaN dwell, e.g. MovieLens) are left out, not counted as 0
+    half = [{**p, "dwell": np.where(np.arange(len(p["dwell"])) % 2 == 0, p["dwell"], np.nan)} for p in parts]
+    assert np.isfinite(metrics_from_predictions(half)["ne/dwell"])
 
 
 def test_report_without_true_probabilities():

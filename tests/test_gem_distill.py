@@ -88,3 +88,35 @@ def test_distill_without_a_teacher_checkpoint_fails_clearly(tmp_path):
     assert cli.main(["distill", "--config", str(path)]) == 1
     error = json.loads((tmp_path / "termination-log").read_text())["error"]
     assert error.startswith("FileNotFoundError: teacher.gemTraining 'never-trained'")
+
+
+def test_kd_loss_mixes_labels_and_soft_teacher_targets():
+    import numpy as np
+    import torch
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.batch import make_batch
+    from gem.data.synthetic import SyntheticWorld
+    from gem.distill.task import kd_loss
+    from gem.model.loss import masked_bce, task_labels, task_masks
+
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=6)).sample(64, split=0)
+    batch = make_batch(ex, np.arange(64), max_seq_len=8)
+    g = torch.Generator().manual_seed(0)
+    student = {t: torch.randn(64, generator=g) for t in ("click", "conversion")}
+    teacher = {t: torch.randn(64, generator=g) for t in ("click", "conversion")}
+    labels, masks = task_labels(batch), task_masks(batch)
+    hard = {t: masked_bce(student[t], labels[t], masks[t]) for t in student}
+    soft = {t: masked_bce(student[t] / 2.0, torch.sigmoid(teacher[t] / 2.0), masks[t]) for t in student}
+    # α = 0 is the no-teacher baseline: labels only, whatever the teacher says
+    total, _ = kd_loss(student, teacher, batch, alpha=0.0, temperature=2.0)
+    assert torch.allclose(total, hard["click"] + hard["conversion"])
+    total, parts = kd_loss(student, teacher, batch, alpha=0.3, temperature=2.0)
+    for t in student:
+        assert torch.allclose(parts[t], 0.7 * hard[t] + 0.3 * soft[t])
+    # conversion is distilled on clicked impressions only
+    unclicked = batch.click == 0
+    moved = {t: v.clone() for t, v in teacher.items()}
+    moved["conversion"][unclicked] += 5.0
+    assert torch.allclose(kd_loss(student, moved, batch, alpha=1.0, temperature=2.0)[1]["conversion"],
+                          kd_loss(student, teacher, batch, alpha=1.0, temperature=2.0)[1]["conversion"])

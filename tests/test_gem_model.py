@@ -61,7 +61,7 @@ def test_model_outputs_one_logit_per_task(batch):
     torch.manual_seed(0)
     model = build_model(ModelSpec(preset="tiny"))
     out = model(batch)
-    assert set(out) == {"click", "conversion"} and all(v.shape == (8,) for v in out.values())
+    assert set(out) == {"click", "conversion", "dwell"} and all(v.shape == (8,) for v in out.values())
 
 
 def test_an_example_only_sees_its_own_history(batch):

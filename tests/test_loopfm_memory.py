@@ -38,6 +38,11 @@ def test_no_future_leakage_randomised(tmp_path):
         assert out_ts[i][valid[i]].tolist() == mine.tolist()
         assert (out_ts[i][valid[i]] < q_ts[i]).all()
         assert np.allclose(emb[i][valid[i], 0], out_ts[i][valid[i]].astype(np.float32))
+    # under a retention of max_age_s, only [t - max_age_s, t) is readable at time t
+    _, out_ts, valid = mem.lookup(q_users, q_ts, k=5, max_age_s=20_000)
+    for i in range(500):
+        mine = np.sort(ts[(users == q_users[i]) & (ts < q_ts[i]) & (ts >= q_ts[i] - 20_000)])[::-1][:5]
+        assert out_ts[i][valid[i]].tolist() == mine.tolist()
 
 
 def test_retention_and_versions(tmp_path):

@@ -36,7 +36,7 @@ def test_shapes_memory_and_point_in_time(tmp_path):
     ex, batch = small_batch()
     mem = EmbeddingMemory(tmp_path)
     mem.append(ex.user_id, ex.request_time, "v", np.random.default_rng(0).normal(size=(len(ex), 6)))
-    model = LoopFMStudent(SPEC, memory_dim=6).attach_memory(mem.index())
+    model = LoopFMStudent(SPEC, memory_dim=6, memory_k=8).attach_memory(mem.index())
     emb, valid = model.memory_features(batch)
     assert emb.shape == (32, 8, 6) and valid.shape == (32, 8)
     # every returned embedding was logged strictly before the example's own request
@@ -51,6 +51,31 @@ def test_shapes_memory_and_point_in_time(tmp_path):
     assert torch.allclose(out["adapter/click"], teacher["click"], atol=1e-6)
     # same backbone as the KD student, small extra serving cost
     assert student_flops(model) < 1.5 * student_flops(StudentModel(SPEC))
+    # a user with no memory yet reads zeros, and the memory token does not depend on empty slots
+    assert torch.all(model.read_memory(emb[:1] * 0 + 5.0, torch.zeros(1, 8, dtype=torch.bool)) == 0)
+    full = model.read_memory(emb, valid)
+    junk = model.read_memory(torch.where(valid.unsqueeze(-1), emb, torch.full_like(emb, 99.0)), valid)
+    assert torch.allclose(full, junk)
+
+
+def test_distillation_spec_is_wired(tmp_path):
+    from gem.api.types import DistillationSpec
+
+    dist = DistillationSpec(method="loopfm", beta=0.3, memory_k=4, memory_retention_seconds=5000)
+    model = LoopFMStudent.from_spec(SPEC, dist, memory_dim=6)
+    assert (model.beta, model.memory_k, model.memory_max_age_s) == (0.3, 4, 5000)
+    assert model.memory_recency.shape == (4,)
+    # retention: only embeddings within memory_max_age_s of the request are read
+    mem = EmbeddingMemory(tmp_path)
+    mem.append(np.array([1, 1, 1]), np.array([1000, 5000, 9000]), "v", np.eye(3, 6))
+    model.attach_memory(mem.index())
+    ex, batch = small_batch(2)
+    batch.user_id = torch.tensor([1, 1])
+    batch.request_time = torch.tensor([9500, 6500])
+    _, valid = model.memory_features(batch)
+    assert valid.sum(1).tolist() == [2, 1]  # 9500 reads 9000 and 5000; 6500 reads 5000 (1000 has expired)
+    model.memory_max_age_s = None
+    assert model.memory_features(batch)[1].sum(1).tolist() == [3, 2]  # no retention: everything before
 
 
 def test_aux_head_gradient_into_backbone_is_scaled_by_beta():
@@ -111,24 +136,35 @@ def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, clean_env):
     teacher.write_text(yaml.safe_dump({
         "apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "teacher"},
         "spec": {"model": {"preset": "tiny"}, "data": DATA,
-                 "training": {"steps": 20, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
-                 "checkpoint": {"path": ckpt, "everySteps": 20}, "mlflow": {"enabled": False}}}))
+                 "training": {"steps": 8, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
+                 "checkpoint": {"path": ckpt, "everySteps": 8}, "mlflow": {"enabled": False}}}))
     assert cli.main(["train", "--config", str(teacher)]) == 0
     student = tmp_path / "student.yaml"
     student.write_text(yaml.safe_dump({
         "apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "lf"},
         "spec": {"teacher": {"gemTraining": "teacher"},
                  "student": {"embeddingDim": 8, "hiddenDim": 16, "maxSeqLen": 8},
-                 "distillation": {"method": "loopfm", "alpha": 0.5, "temperature": 2.0},
+                 "distillation": {"method": "loopfm", "alpha": 0.5, "temperature": 2.0, "beta": 0.25,
+                                  "memoryK": 4},
                  "data": DATA,
-                 "training": {"steps": 20, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
-                 "checkpoint": {"path": ckpt, "everySteps": 20}, "mlflow": {"enabled": False}}}))
+                 "training": {"steps": 8, "batchSize": 64, "warmupSteps": 3, "learningRate": 0.003},
+                 "checkpoint": {"path": ckpt, "everySteps": 8}, "mlflow": {"enabled": False}}}))
     assert cli.main(["distill", "--config", str(student)]) == 0
     report = json.loads((tmp_path / "termination-log").read_text())
     m = report["metrics"]
-    assert report["step"] == 20 and m["ne/click"] is not None and m["teacher_ne/click"] is not None
+    assert report["step"] == 8 and m["ne/click"] is not None and m["teacher_ne/click"] is not None
     memory = EmbeddingMemory(tmp_path / "ckpt" / "local" / "lf" / "memory")
     assert len(memory.index()) == 2000 and memory.index().dim == 64  # tiny preset: 2 x 32
     model, manifest = load_loopfm_student(report["checkpoint"])
     assert isinstance(model, LoopFMStudent) and manifest.spec.distillation.method == "loopfm"
     assert model._memory is not None and len(model._memory) == 2000
+    assert (model.beta, model.memory_k) == (0.25, 4)  # from the manifest's distillation fields
+    # the generic loader (`gem eval`, Solaris) rebuilds the same student, memory attached
+    from gem.train.checkpoint import load_model
+
+    loaded, _ = load_model(report["checkpoint"])
+    assert isinstance(loaded, LoopFMStudent) and len(loaded._memory) == 2000
+    batch = make_batch(SyntheticWorld(SyntheticDataSpec.model_validate(DATA["synthetic"])).sample(16, split=1),
+                       np.arange(16), max_seq_len=8)
+    with torch.no_grad():
+        assert torch.equal(loaded(batch)["click"], model(batch)["click"])

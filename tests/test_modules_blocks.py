@@ -16,7 +16,7 @@ from gem.modules.heads import MultiTaskHeads, multitask_loss
 from gem.modules.hsp import HierarchicalSeedPooling, SumKronLinear
 from gem.modules.mowe import MixtureOfWukongExperts
 from gem.modules.oneseq import OneSeqEncoder, TierBatch
-from gem.modules.pffn import PersonalizedFFN
+from gem.modules.pffn import PersonalizedFFN, TokenFFN
 from gem.modules.wukong import WukongLayer
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.inputs import EventSequence, GemInputs, single_id_bag
@@ -136,6 +136,38 @@ def test_pffn_matches_a_per_example_generated_ffn(lengths, seed):
 
 
 @FAST
+@given(lengths=lengths_st, seed=st.integers(0, 100))
+def test_token_ffn_baseline_is_the_pffn_block_with_one_static_ffn(lengths, seed):
+    """The benchmark's baseline differs from the PFFN only in the FFN: a PFFN whose summary is the
+    same for every example is a static FFN of width H·n_sum with block-diagonal weights, and a
+    TokenFFN holding those weights (and the same norms) gives the same output."""
+    torch.manual_seed(seed)
+    n_sum, H, dh, dt = CFG.num_sum_tokens, TIER.num_heads, TIER.head_dim, TIER.dim
+    pffn = PersonalizedFFN(TIER, dim=CFG.dim, num_sum_tokens=n_sum, activation="gelu")
+    ffn = TokenFFN(TIER, mult=1, activation="gelu")
+    with torch.no_grad():
+        for p in [*pffn.norm_in.parameters(), *pffn.out_norm.parameters()]:
+            p.normal_()
+        ffn.norm_in.load_state_dict(pffn.norm_in.state_dict())
+        ffn.out_norm.load_state_dict(pffn.out_norm.state_dict())
+        one = torch.randn(n_sum, CFG.dim)
+        k, v = pffn.w_kv(one).view(n_sum, 2, H, dh).unbind(1)
+        k = pffn.k_norm(k) * dh**-0.5
+        ffn.w1, ffn.w2 = torch.nn.Linear(dt, H * n_sum), torch.nn.Linear(H * n_sum, dt)
+        ffn.w1.bias.zero_()
+        ffn.w2.bias.zero_()
+        ffn.w1.weight.zero_()
+        ffn.w2.weight.zero_()
+        for h in range(H):
+            rows, cols = slice(h * n_sum, (h + 1) * n_sum), slice(h * dh, (h + 1) * dh)
+            ffn.w1.weight[rows, cols] = k[:, h]
+            ffn.w2.weight[cols, rows] = v[:, h].T / n_sum
+    tb = _tier_batch(lengths, seed)
+    want = pffn(tb, one.expand(len(lengths), n_sum, CFG.dim))
+    torch.testing.assert_close(ffn(tb), want, atol=1e-5, rtol=1e-4)
+
+
+@FAST
 @given(lengths=lengths_st, shift=st.sampled_from([0, 8]), seed=st.integers(0, 100))
 def test_block_attention_layer_kernels_and_batch_independence(lengths, shift, seed):
     torch.manual_seed(seed)
@@ -157,10 +189,12 @@ def _inputs_with(clicks: list[list[int]], convs: list[list[int]], imps: list[lis
         return EventSequence(make_offsets([len(ex) for ex in ts]), flat, {"item": flat, "campaign": flat})
 
     ids = torch.arange(B)
+    given = {"click": seq(clicks), "conversion": seq(convs), "impression": seq(imps)}
+    # Every other event type of the schema (e.g. organic engagement) is present and empty.
+    sequences = {t: given[t] if t in given else seq([[] for _ in range(B)]) for t in CFG.features.event_types}
     return GemInputs(request_time=torch.full((B,), 10_000), surface=torch.zeros(B, dtype=torch.int64),
                      sparse={n: single_id_bag(ids) for n in ("user", "ad", "campaign", "advertiser")},
-                     dense=torch.zeros(B, 2),
-                     sequences={"click": seq(clicks), "conversion": seq(convs), "impression": seq(imps)})
+                     dense=torch.zeros(B, 2), sequences=sequences)
 
 
 def test_oneseq_encoder_merges_by_time_truncates_and_matches_reference_kernel():

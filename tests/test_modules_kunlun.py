@@ -94,10 +94,12 @@ def test_compskip_alternates_layers_and_reuses_the_cached_summary(batch):
     assert 0.3 < 1 - total_on / total_off < 0.5
 
 
-def test_flop_count_matches_pytorch_flop_counter():
+@pytest.mark.parametrize("seq_ffn", ["pffn", "token_ffn"])
+def test_flop_count_matches_pytorch_flop_counter(seq_ffn):
     """With equal histories that are a multiple of the block, the tiled kernels do no padded work,
-    so the shape-based count must equal what PyTorch's counter sees (matmuls only)."""
-    cfg = dataclasses.replace(CFG, num_layers=2)
+    so the shape-based count must equal what PyTorch's counter sees (matmuls only). The
+    token_ffn model is the benchmark's baseline for the PFFN: its count is the ideal's numerator."""
+    cfg = dataclasses.replace(CFG, num_layers=2, seq_ffn=seq_ffn)
     model = _model(cfg)
     train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8,
                                               mean_history_len=64))

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gem.ops import ACTIVATIONS, Kernel, gdpa
+from gem.ops.common import plan_buckets
 from gem.ops.testing import assert_fwd_bwd_close, make_offsets
 
 FAST = settings(max_examples=10, deadline=None)
@@ -67,6 +68,24 @@ def test_short_dense_kv_matches_reference_with_per_head_activations(lengths, see
 
     def run(kernel):
         return lambda q, k, v: gdpa(q, k, v, q_offsets=q_offsets, activation=acts, qk_scale=1 / n, kernel=kernel)
+
+    assert_fwd_bwd_close(run(Kernel.PYTORCH), run(Kernel.TILED), [q, k, v])
+
+
+@FAST
+@given(lengths=st.lists(st.integers(0, 40), min_size=2, max_size=8), seed=st.integers(0, 1000))
+def test_short_dense_kv_with_many_buckets_matches_reference(lengths, seed):
+    """overhead=0 makes the planner cut a tile per distinct length, so the head-major tile layout
+    of the short-KV path is exercised across many buckets, forward and backward."""
+    B, n, H, dh = len(lengths), 3, 4, 4
+    q_offsets = make_offsets(lengths)
+    plan = plan_buckets(q_offsets, make_offsets([n] * B), overhead=0.0)
+    q = _rand(sum(lengths), H, dh, seed=seed)
+    k, v = _rand(B, n, H, dh, seed=seed + 1), _rand(B, n, H, dh, seed=seed + 2)
+
+    def run(kernel):
+        return lambda q, k, v: gdpa(q, k, v, q_offsets=q_offsets, activation="gelu", qk_scale=0.5, kernel=kernel,
+                                    buckets=plan if kernel == Kernel.TILED else None)
 
     assert_fwd_bwd_close(run(Kernel.PYTORCH), run(Kernel.TILED), [q, k, v])
 

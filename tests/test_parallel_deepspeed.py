@@ -21,6 +21,9 @@ SCENARIOS = {
     "hsdp-zero3-hpz": dict(dp_replicate=2, dp_shard=2, zero_stage=3),
     "tp2-zero1": dict(dp_shard=2, tp=2, zero_stage=1),
     "cp2-zero2": dict(dp_shard=2, cp=2, zero_stage=2),
+    # expert and embedding-row shards kept out of DeepSpeed's optimizer (split_for_deepspeed)
+    "ep2-sparse2-zero2-split": dict(dp_shard=4, ep=2, sparse_shard=2, zero_stage=2),
+    "replicas2-ep2-sparse4-zero1-split": dict(dp_replicate=2, dp_shard=2, ep=2, sparse_shard=4, zero_stage=1),
 }
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -48,24 +51,31 @@ def _run(rank: int, world: int, scenarios: dict) -> dict:
     import torch.distributed as dist
     from deepspeed.utils import logger as ds_logger
 
-    from gem.parallel.deepspeed_config import deepspeed_config_fragment, prepare_deepspeed, reset_deepspeed_groups
+    from gem.parallel.deepspeed_config import (
+        deepspeed_config_fragment,
+        prepare_deepspeed,
+        reset_deepspeed_groups,
+        split_for_deepspeed,
+    )
     from gem.parallel.mesh import build_mesh
-    from gem.parallel.parallelize import full_state_dict, parallelize
+    from gem.parallel.parallelize import full_state_dict, parallelize, sync_parameter_gradients
 
     ds_logger.setLevel("ERROR")
     out = {}
     for name, kwargs in scenarios.items():
-        plan = ParallelPlan(world_size=world, sparse_shard=1, **kwargs)
+        split = name.endswith("-split")
+        plan = ParallelPlan(world_size=world, **{"sparse_shard": 1, **kwargs})
         mesh = build_mesh(plan)
         torch.manual_seed(0)
         model = parallelize(TinyModel(), plan, mesh)
-        mpu = prepare_deepspeed(plan, mesh)
+        mpu = prepare_deepspeed(plan, mesh, shards_outside=split)
+        dense, shards = split_for_deepspeed(model, plan, mesh) if split else (list(model.parameters()), [])
+        own = torch.optim.SGD(shards, lr=LR) if shards else None
         dp = plan.dp_replicate * plan.dp_shard
         per = GLOBAL_BATCH // dp
         config = {**deepspeed_config_fragment(plan, micro_batch_size=per), "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
                   "steps_per_print": 10**9}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                          config=config, mpu=mpu)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(dense, lr=LR), config=config, mpu=mpu)
         c = plan.coords(rank)
         shard = (c["dp_replicate"] * plan.dp_shard_mod_ep + c["dp_shard_mod_ep"]) * plan.ep + c["ep"]
         losses, params = [], []
@@ -73,6 +83,10 @@ def _run(rank: int, world: int, scenarios: dict) -> dict:
             batch = make_batch(step, shard * per, (shard + 1) * per)
             loss = loss_fn(engine(batch), batch)
             engine.backward(loss)
+            if own is not None:  # the shards' gradients: summed over their replicas, not averaged over data
+                sync_parameter_gradients(shards, mesh)
+                own.step()
+                own.zero_grad()
             engine.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean, group=mesh.get_group("data"))
@@ -82,11 +96,19 @@ def _run(rank: int, world: int, scenarios: dict) -> dict:
         from deepspeed.utils import groups as ds_groups
 
         hpz = ds_groups._get_zero_param_intra_parallel_group()
-        out[name] = {"losses": losses, "params": params, "zero": engine.zero_optimization_stage(),
+        out[name] = {"losses": losses, "params": params, "zero": engine.zero_optimization_stage(), "shards": len(shards),
                      "dp_world": engine.dp_world_size, "data": mesh.ranks("data"), "dp_shard": mesh.ranks("dp_shard"),
                      "hpz": dist.get_process_group_ranks(hpz) if hpz is not None else None}
         engine.destroy()
         reset_deepspeed_groups()
+    # ZeRO-3 partitions every module parameter: shards cannot stay outside, the stage is named
+    plan = ParallelPlan(world_size=world, dp_shard=4, ep=2, sparse_shard=1, zero_stage=3)
+    mesh = build_mesh(plan)
+    try:
+        split_for_deepspeed(parallelize(TinyModel(), plan, mesh), plan, mesh)
+        out["zero3-split"] = None
+    except PlanError as e:
+        out["zero3-split"] = (e.dimension, str(e))
     return out
 
 
@@ -101,6 +123,8 @@ def test_deepspeed_matches_single_process(name, results):
     for rank, res in enumerate(results):
         got = res[name]
         assert got["zero"] == SCENARIOS[name]["zero_stage"]
+        # the experts (4 Linear weights + biases, half of them on each ep rank) and the user table's rows
+        assert got["shards"] == (0 if not name.endswith("-split") else 2 * 2 + 1), (name, got["shards"])
         assert got["dp_world"] == len(got["data"])  # DeepSpeed's data group is the plan's (cp ranks included)
         if name.startswith("hsdp"):
             assert got["hpz"] == got["dp_shard"] and len(got["hpz"]) == 2  # hpZ partitions inside the shard group
@@ -114,12 +138,21 @@ def test_deepspeed_matches_single_process(name, results):
 def test_deepspeed_path_rejects_what_it_cannot_checkpoint():
     from gem.parallel.deepspeed_config import check_deepspeed_plan, deepspeed_config_fragment
 
-    with pytest.raises(PlanError, match="ep=2 is not supported with DeepSpeed") as e:
-        check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, ep=2, sparse_shard=1))
+    # shards are stepped outside DeepSpeed's optimizer, which only ZeRO-1/2 allow: other stages are named
+    with pytest.raises(PlanError, match="ep=2 is not supported with DeepSpeed at zero_stage 3") as e:
+        check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, ep=2, sparse_shard=1, zero_stage=3))
     assert e.value.dimension == "ep"
-    with pytest.raises(PlanError, match="sparse_shard=4"):
-        check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4))
+    with pytest.raises(PlanError, match="sparse_shard=4 is not supported with DeepSpeed at zero_stage 0"):
+        check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, zero_stage=0))
+    for stage in (1, 2):  # what gem train runs (tests/test_parallel_trainer.py)
+        check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, ep=2, sparse_shard=4, zero_stage=stage))
     frag = deepspeed_config_fragment(ParallelPlan(world_size=8, dp_replicate=2, dp_shard=2, cp=2, zero_stage=3),
                                      micro_batch_size=16)
     assert frag["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 2}
     assert frag["train_batch_size"] == 16 * 8
+
+
+def test_zero3_cannot_keep_shards_outside_deepspeed(results):
+    for res in results:
+        dimension, message = res["zero3-split"]
+        assert dimension == "zero_stage" and "zero_stage 1 or 2, not 3" in message

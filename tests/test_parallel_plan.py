@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gem.api.types import ParallelismSpec
+from gem.api.types import ParallelismSpec, ParallelPlanSpec
 from gem.parallel.plan import (
     FLAT_GROUPS,
     MESH_AXES,
@@ -205,14 +205,64 @@ def test_plan_for_job_reads_the_operator_topology_and_explicit_degrees():
     job = plan_for_job(par, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints, env=env_aff)
     assert [lv.name for lv in job.topology.levels] == ["node", "cluster"]
 
+    # explicit degrees in spec.parallelism.plan; the ones left out are chosen around them
+    given = par.model_copy(update={"plan": ParallelPlanSpec(dp_replicate=4, tp=2)})
+    job = plan_for_job(given, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints, env=env)
+    assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.tp, job.plan.sparse_shard) == (4, 64, 2, 64)
+    assert job.chosen == "spec" and "tp=2: given in spec.parallelism.plan" in job.reason
+    assert "dp_shard=64: the data ranks left after dp_replicate=4" in job.reason
+
+    # the interim spec.training.deepspeed.parallelPlan still works, with a deprecation note
     explicit = TrainingSpec(deepspeed={"parallelPlan": {"dpReplicate": 4, "dpShard": -1, "tp": 2}, "wall_clock_breakdown": True})
     job = plan_for_job(par, explicit, world_size=512, procs_per_node=8, hints=hints, env=env)
-    assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.tp) == (4, 64, 2) and "given in spec" in job.reason
+    assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.tp) == (4, 64, 2) and "deprecated" in job.reason
+    assert any("deprecated" in n for n in job.notes)
     assert deepspeed_overrides(explicit.deepspeed) == ({"wall_clock_breakdown": True}, {"dpReplicate": 4, "dpShard": -1, "tp": 2})
 
-    bad = TrainingSpec(deepspeed={"parallelPlan": {"dpShard": -1, "tp": 16}})
-    with pytest.raises(PlanError, match="tp=16 does not fit"):
-        plan_for_job(par, bad, world_size=512, procs_per_node=8, hints=hints, env=env)
+    bad = par.model_copy(update={"plan": ParallelPlanSpec(tp=16)})
+    with pytest.raises(PlanError, match="tp=16 does not fit") as e:
+        plan_for_job(bad, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints, env=env)
+    assert (e.value.dimension, e.value.level) == ("tp", "node")
+    # ep at ZeRO-3 (par's stage) cannot run on the DeepSpeed path: rejected by name, not silently dropped
+    with pytest.raises(PlanError, match="ep=2 is not supported with DeepSpeed"):
+        plan_for_job(par.model_copy(update={"plan": ParallelPlanSpec(ep=2)}), TrainingSpec(), world_size=512,
+                     procs_per_node=8, hints=hints, allowed=frozenset({"dp_replicate", "dp_shard", "cp", "tp"}), env=env)
+
+
+def test_the_trainer_runs_the_operator_plan_from_its_environment():
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import ENV_TOPOLOGY, build_topology, plan_for_job, plan_job
+    from gem.parallel.plan import DEEPSPEED_DIMS
+
+    par = ParallelismSpec(num_nodes=8, procs_per_node=4, zero_stage=3,
+                          topology={"levels": [BLOCK], "nodesPerDomain": {BLOCK: 4}}, plan={"cp": 2})
+    topo = build_topology(par, NodePool())
+    op = plan_job(par, TrainingSpec(), topology=topo, mode="kueue", hints=ModelShapeHints(), allowed=DEEPSPEED_DIMS)
+    assert (op.plan.dp_replicate, op.plan.dp_shard, op.plan.cp) == (2, 8, 2) and op.chosen == "spec"
+    env = op.env()
+    # the trainer's model would pick otherwise (hidden 8192 -> tp); it runs what the operator put in the status
+    hints = ModelShapeHints(hidden_dim=8192)
+    job = plan_for_job(par.model_copy(update={"plan": None}), TrainingSpec(), world_size=32, procs_per_node=4,
+                       hints=hints, allowed=DEEPSPEED_DIMS, env={env["name"]: env["value"]})
+    assert job.plan == op.plan and job.reason.startswith(op.reason) and "planned by the operator" in job.reason
+    assert [lv.name for lv in job.topology.levels] == ["node", "block", "cluster"] and job.placement.value == "kueue"
+    # an operator plan for another world (torchrun by hand) is not forced on it
+    job = plan_for_job(par, TrainingSpec(), world_size=4, procs_per_node=4, hints=ModelShapeHints(),
+                       allowed=DEEPSPEED_DIMS, env={ENV_TOPOLOGY: env["value"]})
+    assert (job.plan.world_size, job.plan.cp) == (4, 2) and any("planning again" in n for n in job.notes)
+
+
+def test_auto_plan_keeps_fixed_degrees_and_rejects_impossible_ones():
+    topo = sim(64, 8, [("block", 4)])
+    plan, why = auto_plan(64, topo, ModelShapeHints(max_seq_len=40000), fixed={"dp_shard": 8})
+    assert (plan.dp_shard, plan.cp, plan.dp_replicate) == (8, 4, 2) and "dp_shard=8: given" in why
+    plan, why = auto_plan(64, topo, ModelShapeHints(), fixed={"dp_replicate": -1, "dp_shard": 16})
+    assert (plan.dp_replicate, plan.dp_shard) == (4, 16)
+    with pytest.raises(PlanError, match=r"cp\(3\)"):
+        auto_plan(64, topo, ModelShapeHints(), fixed={"cp": 3})
+    with pytest.raises(PlanError, match="cp=64 does not fit") as e:
+        auto_plan(64, topo, ModelShapeHints(), fixed={"cp": 64})
+    assert (e.value.dimension, e.value.level) == ("cp", "block")
 
 
 def test_plan_for_job_outside_the_cluster_uses_the_real_world():
@@ -224,4 +274,9 @@ def test_plan_for_job_outside_the_cluster_uses_the_real_world():
     assert job.plan.world_size == 1 and job.notes and "not the spec's" in job.notes[0]
     job = plan_for_job(ParallelismSpec(num_nodes=2, procs_per_node=2, topology={"levels": [BLOCK]}), TrainingSpec(),
                        world_size=4, procs_per_node=2, hints=ModelShapeHints(), env={})
-    assert "does not describe the node pool" in job.notes[0] and job.plan.dp_shard == 4
+    assert "no node-pool size for topology levels" in job.notes[0] and job.plan.dp_shard == 4
+    # the spec's own nodesPerDomain sizes the level without the operator
+    par = ParallelismSpec(num_nodes=2, procs_per_node=2, topology={"levels": [BLOCK], "nodesPerDomain": {BLOCK: 1}})
+    job = plan_for_job(par, TrainingSpec(), world_size=4, procs_per_node=2, hints=ModelShapeHints(), env={})
+    assert not job.notes and [lv.name for lv in job.topology.levels] == ["node", "cluster"]  # placement none
+    assert job.plan.dp_shard == 4

@@ -209,6 +209,7 @@ class FakeKube:
         monkeypatch.setattr(kube, "patch_status", lambda kind, ns, name, status, rv=None: self.statuses.append(status))
         monkeypatch.setattr(kube, "post_event", lambda obj, t, reason, msg, key=None: self.events.append((t, reason, msg)))
         monkeypatch.setattr(kube, "list_job_pods", lambda ns, name: [])
+        monkeypatch.setattr(kube, "list_nodes", lambda selector=None: [])  # no node carries a topology label
 
     def _ensure_job(self, job: dict, owner_uid: str) -> tuple[dict, bool]:
         self.jobs.append(copy.deepcopy(job))
@@ -323,12 +324,13 @@ def check_accepted(kind: str, spec: dict, status: dict, fake: FakeKube) -> None:
 def check_invalid(status: dict, field: str | None, fake: FakeKube) -> None:
     assert status["phase"] == "Invalid", status
     valid = [c for c in status["conditions"] if c["type"] == "Valid"][0]
-    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    # an impossible parallel plan or an unsized topology level has its own reason (docs/operator.md)
+    assert valid["status"] == "False" and valid["reason"] in ("InvalidSpec", "InvalidParallelPlan", "InvalidTopology")
     assert re.search(r"(spec|metadata)(\.|\[|:)", valid["message"]), valid["message"]
     if field is not None:
         assert names_field(valid["message"], field), (field, valid["message"])
     assert not fake.jobs and not fake.config_maps
-    assert [e for e in fake.events if e[1] == "InvalidSpec"]
+    assert [e for e in fake.events if e[1] == valid["reason"]]
 
 
 # --------------------------------------------------------------------------- property tests

@@ -97,6 +97,8 @@ def test_gem_train_mixes_sources_and_reports_each(tmp_path, clean_env):
         client = MlflowClient(uri)
         run = client.get_run(report["mlflowRunId"])
         assert {"ne/click/main", "ne/click/side"} <= set(run.data.metrics)
+        assert {"ne/click/surface_feed", "ne/dwell/surface_reels"} <= set(run.data.metrics)  # MLflow only
+        assert not any("surface" in k for k in m)  # the termination message stays small
         versions = client.search_model_versions("name='ads-ranker'")
         assert len(versions) == 1 and versions[0].run_id == report["mlflowRunId"]
         assert not client.search_registered_models("name='gem-mix'")

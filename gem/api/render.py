@@ -23,6 +23,8 @@ from gem.api.types import (
     GEMTraining,
     LoopFMDistill,
 )
+from gem.parallel.placement import PlacementMode, apply_placement
+from gem.parallel.topology import Topology
 
 PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
 CONTAINER_NAME = "pytorch"  # the training operator finds the trainer container by this name
@@ -79,6 +81,31 @@ class TeacherMount:
     checkpoint: str
     claim_name: str | None = None
     mount_path: str | None = None
+
+
+@dataclass(frozen=True)
+class JobPlacement:
+    """How the operator places the job's pods (gem/parallel/placement.py) and what it tells the trainer."""
+
+    topology: Topology
+    """The full hierarchy of the spec's levels, sized by the node pool: what the annotations ask for."""
+    mode: PlacementMode
+    """kueue, affinity or none (auto already resolved, see `placement_mode`)."""
+    env: dict[str, str] | None = None
+    """The GEM_TOPOLOGY env entry (node pool, placement, the plan) for the trainer containers."""
+
+
+def placement_mode(obj: GEMTraining | LoopFMDistill, defaults: PlatformDefaults) -> PlacementMode:
+    """spec.parallelism.placement with auto resolved: kueue when the job has a Kueue queue, else affinity."""
+    wanted = str(getattr(obj.spec.parallelism.placement, "value", obj.spec.parallelism.placement))
+    if wanted == "auto":
+        return PlacementMode.kueue if (obj.spec.scheduling.queue_name or defaults.queue_name) else PlacementMode.affinity
+    return PlacementMode(wanted)
+
+
+def pod_selector(obj: GEMTraining | LoopFMDistill) -> dict[str, str]:
+    """Labels every pod of this resource's job carries (the pod-affinity term's selector)."""
+    return {LABEL_KIND: obj.kind.lower(), LABEL_NAME: obj.metadata.name}
 
 
 def trainer_manifest(obj: GEMTraining | LoopFMDistill, teacher: TeacherMount | None = None) -> dict[str, Any]:
@@ -245,10 +272,17 @@ def render_pytorchjob(
     mlflow_tracking_uri: str | None = None,
     teacher: TeacherMount | None = None,
     defaults: PlatformDefaults = PlatformDefaults(),
+    placement: JobPlacement | None = None,
 ) -> dict[str, Any]:
-    """The kubeflow.org/v1 PyTorchJob that runs this resource: one Master, numNodes-1 Workers."""
+    """The kubeflow.org/v1 PyTorchJob that runs this resource: one Master, numNodes-1 Workers.
+
+    With `placement`, both pod templates get its Kueue annotations or pod affinity and the
+    trainer container its GEM_TOPOLOGY env (the operator passes it; the local backend does not).
+    """
     spec = obj.spec
     template = _pod_template(obj, mlflow_tracking_uri=mlflow_tracking_uri, teacher=teacher, defaults=defaults)
+    if placement is not None and placement.env:
+        template["spec"]["containers"][0]["env"].append(dict(placement.env))
     replica = {"restartPolicy": "OnFailure", "template": template}
     replica_specs: dict[str, Any] = {"Master": {"replicas": 1, **replica}}
     if spec.parallelism.num_nodes > 1:
@@ -283,4 +317,6 @@ def render_pytorchjob(
         job["metadata"]["namespace"] = obj.metadata.namespace
     if obj.metadata.uid:
         job["metadata"]["ownerReferences"] = [owner_reference(obj)]
+    if placement is not None and placement.mode is not PlacementMode.none:
+        job = apply_placement(job, placement.topology, placement.mode, selector=pod_selector(obj))
     return job

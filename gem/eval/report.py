@@ -9,13 +9,18 @@ JSON (`eval_report.json`):
     {"step": 600, "numExamples": 4000,
      "metrics": {...the eval metrics...},
      "tasks": {"click": {"ne": .., "bayesNe": .., "auc": .., "calibration": .., "baseRate": .., "n": ..,
-                          "bySurface": {"0": {"ne": .., "bayesNe": .., "auc": .., "n": ..}, ...},
+                          "bySurface": {"0": {"name": "feed", "ne": .., "bayesNe": .., "auc": ..,
+                                              "calibration": .., "baseRate": .., "n": ..}, ...},
+                          "byObjective": {"purchase": {...same keys...}, "install": {...}},
                           "calibrationCurve": [{"meanPred": .., "meanLabel": .., "n": ..}, ...]},
-               "conversion": {... over clicked impressions only ...}}}
+               "conversion": {... over clicked impressions only ...},
+               "dwell": {... awareness, where its label is known (when the model predicts it) ...}}}
 
 `bayesNe` (NE of the true probabilities) is present only where they are known (synthetic data;
-null for real logs). PNG: per task a reliability diagram (mean label vs mean prediction in
-equal-count bins) and NE by surface with Bayes NE beside it.
+null for real logs). `bySurface` keys are surface ids (gem.data.synthetic.SURFACES names them);
+`byObjective` splits by the campaign's objective (what a conversion means). PNG: per task a
+reliability diagram (mean label vs mean prediction in equal-count bins) and NE by surface with
+Bayes NE beside it.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from gem.data.synthetic import OBJECTIVES
+from gem.eval.evaluate import FUNNEL, _task_rows, surface_name
 from gem.eval.metrics import auc, calibration, normalized_entropy
 
-TASKS = ("click", "conversion")
+TASKS = FUNNEL  # those the predictions hold are reported
 NUM_BINS = 10
 
 
@@ -48,40 +55,60 @@ def calibration_curve(y: np.ndarray, p: np.ndarray, bins: int = NUM_BINS) -> lis
     return out
 
 
-def _task_block(y: np.ndarray, p: np.ndarray, p_true: np.ndarray, surface: np.ndarray) -> dict[str, Any]:
-    known = p_true.size > 0 and bool(np.isfinite(p_true).all())
-    block: dict[str, Any] = {
+def _group(y: np.ndarray, p: np.ndarray, p_true: np.ndarray | None) -> dict[str, Any]:
+    known = p_true is not None and p_true.size > 0 and bool(np.isfinite(p_true).all())
+    return {
         "n": int(y.size),
         "baseRate": _f(float(y.mean())) if y.size else None,
         "ne": _f(normalized_entropy(y, p)),
         "bayesNe": _f(normalized_entropy(y, p_true)) if known else None,
         "auc": _f(auc(y, p)),
         "calibration": _f(calibration(y, p)),
-        "bySurface": {},
-        "calibrationCurve": calibration_curve(y, p),
     }
+
+
+def _task_block(y: np.ndarray, p: np.ndarray, p_true: np.ndarray | None, surface: np.ndarray,
+                objective: np.ndarray | None) -> dict[str, Any]:
+    block: dict[str, Any] = _group(y, p, p_true)
+    block["bySurface"] = {}
     for s in np.unique(surface):
         m = surface == s
-        block["bySurface"][str(int(s))] = {
-            "n": int(m.sum()),
-            "ne": _f(normalized_entropy(y[m], p[m])),
-            "bayesNe": _f(normalized_entropy(y[m], p_true[m])) if known else None,
-            "auc": _f(auc(y[m], p[m])),
-        }
+        block["bySurface"][str(int(s))] = {"name": surface_name(int(s)),
+                                           **_group(y[m], p[m], None if p_true is None else p_true[m])}
+    if objective is not None:
+        block["byObjective"] = {}
+        for o in np.unique(objective):
+            m = objective == o
+            name = OBJECTIVES[o] if 0 <= o < len(OBJECTIVES) else "unknown"  # e.g. -1: a source without objectives
+            block["byObjective"][name] = _group(y[m], p[m], None if p_true is None else p_true[m])
+    block["calibrationCurve"] = calibration_curve(y, p)
     return block
+
+
+def _column(cols: dict[str, np.ndarray], eval_examples: Any, name: str, n: int) -> np.ndarray | None:
+    """A per-example attribute: from the predictions, else from the eval split when it lines up."""
+    if name in cols:
+        return cols[name]
+    if eval_examples is not None and len(eval_examples) == n and hasattr(eval_examples, name):
+        return np.asarray(getattr(eval_examples, name))
+    return None
 
 
 def build_eval_report(parts: list[dict[str, np.ndarray]], eval_examples: Any, *, metrics: dict[str, float] | None = None,
                       step: int | None = None) -> dict[str, Any]:
     cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     n = len(cols["click"])
-    surface = np.asarray(eval_examples.surface)[:n] if len(eval_examples) == n else np.zeros(n, np.int64)
-    clicked = cols["click"] > 0
-    tasks = {
-        "click": _task_block(cols["click"], cols["pred_click"], cols["p_click"], surface),
-        "conversion": _task_block(cols["conversion"][clicked], cols["pred_conversion"][clicked],
-                                  cols["p_conversion"][clicked], surface[clicked]),
-    }
+    surface = _column(cols, eval_examples, "surface", n)
+    surface = np.zeros(n, np.int64) if surface is None else surface
+    objective = _column(cols, eval_examples, "objective", n)
+    tasks = {}
+    for task in FUNNEL:
+        if f"pred_{task}" not in cols or task not in cols:
+            continue
+        m = _task_rows(cols, task)
+        p_true = cols[f"p_{task}"][m] if f"p_{task}" in cols else None
+        tasks[task] = _task_block(cols[task][m], cols[f"pred_{task}"][m], p_true, surface[m],
+                                  None if objective is None else objective[m])
     return {"step": step, "numExamples": n,
             "metrics": {k: _f(v) for k, v in (metrics or {}).items()}, "tasks": tasks}
 
@@ -92,8 +119,9 @@ def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(TASKS), figsize=(5 * len(TASKS), 8.5))
-    for i, task in enumerate(TASKS):
+    tasks = [t for t in TASKS if t in report["tasks"]]
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8.5), squeeze=False)
+    for i, task in enumerate(tasks):
         block = report["tasks"][task]
         ax = axes[0, i]
         curve = block["calibrationCurve"]
@@ -107,7 +135,7 @@ def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("observed rate")
         ax.legend(loc="upper left")
         ax = axes[1, i]
-        groups = ["all"] + [f"surface {s}" for s in block["bySurface"]]
+        groups = ["all"] + [v.get("name", f"surface {s}") for s, v in block["bySurface"].items()]
         ne = [block["ne"]] + [v["ne"] for v in block["bySurface"].values()]
         bayes = [block["bayesNe"]] + [v["bayesNe"] for v in block["bySurface"].values()]
         x = np.arange(len(groups))

@@ -2,7 +2,7 @@
 
     append(user_ids, timestamps, model_version, embeddings)   # one new shard per call
     apply_retention(now, max_age_s)                            # drop rows older than now - max_age_s
-    lookup(user_ids, as_of, k) -> (emb [N, k, D], ts [N, k], valid [N, k])
+    lookup(user_ids, as_of, k[, max_age_s]) -> (emb [N, k, D], ts [N, k], valid [N, k])
 
 Layout: <root>/shard-000000.parquet, ... each with columns user_id int64, timestamp int64,
 model_version string, embedding fixed_size_list<float32>[D]. Shards are immutable; retention
@@ -55,13 +55,19 @@ class MemoryIndex:
     def __len__(self) -> int:
         return int(self.keys.shape[0])
 
-    def lookup(self, user_ids: np.ndarray, as_of: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """k most recent rows strictly before each as_of, most recent first: (emb [N,k,D], ts [N,k], valid [N,k])."""
+    def lookup(self, user_ids: np.ndarray, as_of: np.ndarray, k: int, *, max_age_s: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """k most recent rows strictly before each as_of, most recent first: (emb [N,k,D], ts [N,k], valid [N,k]).
+
+        max_age_s: also only rows with timestamp >= as_of - max_age_s, i.e. what a memory under that
+        retention held at time as_of (so training reads what serving will read, point in time).
+        """
         user_ids = np.asarray(user_ids, dtype=np.int64)
         as_of = np.asarray(as_of, dtype=np.int64)
         n = user_ids.shape[0]
         end = np.searchsorted(self.keys, _pack(user_ids, as_of), side="left")  # first row >= (u, t)
-        start = np.searchsorted(self.keys, _pack(user_ids, np.zeros_like(as_of)), side="left")  # u's first row
+        oldest = np.zeros_like(as_of) if max_age_s is None else np.maximum(as_of - int(max_age_s), 0)
+        start = np.searchsorted(self.keys, _pack(user_ids, oldest), side="left")  # u's first row in the window
         avail = end - start  # [N] rows of u strictly before t
         slot = np.arange(k)  # [k]
         valid = slot[None, :] < avail[:, None]  # [N, k]
@@ -169,6 +175,7 @@ class EmbeddingMemory:
             return index
 
     def lookup(self, user_ids: np.ndarray, as_of_timestamps: np.ndarray, k: int,
-               model_version: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               model_version: str | None = None, *, max_age_s: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """k most recent embeddings strictly before each as-of time, most recent first (see MemoryIndex.lookup)."""
-        return self.index(model_version).lookup(user_ids, as_of_timestamps, k)
+        return self.index(model_version).lookup(user_ids, as_of_timestamps, k, max_age_s=max_age_s)

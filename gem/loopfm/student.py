@@ -1,23 +1,25 @@
 """The LoopFM vertical model: the KD student's backbone + FM-memory features + ExFM-style heads.
 
     backbone inputs = the KD student's 7 tokens (user, ad, campaign, surface, dense, history, ad ⊙ history)
-                      + memory features from the user's k most recent FM embeddings before the request:
-        mean   = W_m LN(masked mean of e_1..e_k)          [B, d]   (e_i: logged FM user embeddings,
-        recent = W_m LN(e_1)                              [B, d]    most recent first; pooled before
-        + mean ⊙ ad                                       [B, d]    projecting: 2 projections per request)
-    h = MLP([... 10 tokens ...])                            [B, hidden]
+                      + 2 memory tokens from the user's k most recent FM embeddings e_1..e_k before
+                        the request (k = distillation.memoryK, most recent first):
+        m      = W_m · Σ_i softmax_i(r_i | valid) · LN(e_i)    [B, d]   r: k learned recency logits;
+                                                                        pooled before projecting (1 projection)
+        m ⊙ ad                                                [B, d]   the candidate reads the memory
+    h = MLP([... 9 tokens ...])                               [B, hidden]
 
     serving head  y   = heads(h)                  trained on labels only (what is served)
     aux head      y'  = aux_heads(scale(h, β))    trained on the teacher's soft labels; the gradient
-                                                  into the backbone is multiplied by β
+                                                  into the backbone is multiplied by β (distillation.beta)
     adapter       a   = adapter(teacher logit)    trained on labels (teacher gradient stopped): maps the FM's
                                                   prediction to a label estimate for this vertical's data,
                                                   and sigmoid(a) is a second soft target of the aux head
 
 So the serving head never regresses onto the teacher's logits and does not inherit its bias; the
-teacher's knowledge reaches it only through the shared backbone (scaled by β) and the memory
-features. Serving cost: the KD student's MLP with 3 more input tokens + two [D] x [D, d]
-projections (see `serving_flops`); the memory read itself is a key-value fetch.
+teacher's knowledge reaches it through the memory features and the shared backbone (scaled by β).
+Serving cost (`student_flops`): the KD student's MLP with 2 more input tokens + one D x d
+projection + the k-slot pooling; the memory read itself is a key-value fetch. The aux heads and
+the adapter are training-only.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gem.api.types import StudentSpec
+from gem.api.types import DistillationSpec, StudentSpec
 from gem.data.batch import Batch
 from gem.distill.student import CAMPAIGN_BUCKETS, ITEM_BUCKETS, USER_BUCKETS, StudentModel
 from gem.loopfm.memory import MemoryIndex
-from gem.model.embeddings import hash_ids
+from gem.model.embeddings import NUM_SURFACE_BUCKETS, hash_ids
 
-MEMORY_K = 8  # FM embeddings of the user read per request
-DEFAULT_BETA = 0.5  # gradient scale from the aux head into the backbone
+_DEFAULTS = DistillationSpec()
+TRAINING_ONLY = ("aux_heads.", "adapter.")  # parameter prefixes that are never served
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -54,13 +56,18 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class LoopFMStudent(StudentModel):
-    def __init__(self, spec: StudentSpec, memory_dim: int, *, memory_k: int = MEMORY_K, beta: float = DEFAULT_BETA):
+    def __init__(self, spec: StudentSpec, memory_dim: int, *, memory_k: int = _DEFAULTS.memory_k,
+                 beta: float = _DEFAULTS.beta, memory_max_age_s: int | None = _DEFAULTS.memory_retention_seconds):
         super().__init__(spec)
         d, hidden = spec.embedding_dim, spec.hidden_dim
         self.memory_dim, self.memory_k, self.beta = memory_dim, memory_k, beta
+        self.memory_max_age_s = memory_max_age_s  # retention: older embeddings are gone at request time
+        # Per-embedding LayerNorm without affine: the logged vectors of different FM versions differ in
+        # scale; the projection after pooling carries the learned scale.
+        self.memory_norm = nn.LayerNorm(memory_dim, elementwise_affine=False)
+        self.memory_recency = nn.Parameter(torch.zeros(memory_k))  # starts as the masked mean
         self.memory_proj = nn.Linear(memory_dim, d)
-        self.memory_norm = nn.LayerNorm(memory_dim)
-        self.mlp = nn.Sequential(nn.Linear(10 * d, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        self.mlp = nn.Sequential(nn.Linear(9 * d, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
         self.aux_heads = nn.ModuleDict({task: nn.Linear(hidden, 1) for task in self.heads})
         # Adapter: FM logit -> label logit for this vertical (a tiny MLP with a residual identity).
         self.adapter = nn.ModuleDict({task: nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -69,6 +76,11 @@ class LoopFMStudent(StudentModel):
             nn.init.zeros_(a[2].weight)
             nn.init.zeros_(a[2].bias)
         self._memory: MemoryIndex | None = None
+
+    @classmethod
+    def from_spec(cls, student: StudentSpec, distillation: DistillationSpec, memory_dim: int) -> "LoopFMStudent":
+        return cls(student, memory_dim, memory_k=distillation.memory_k, beta=distillation.beta,
+                   memory_max_age_s=distillation.memory_retention_seconds)
 
     # ------------------------------------------------------------------ memory
 
@@ -84,8 +96,18 @@ class LoopFMStudent(StudentModel):
         device = self.memory_proj.weight.device
         if self._memory is None or len(self._memory) == 0:
             return torch.zeros(B, k, D, device=device), torch.zeros(B, k, dtype=torch.bool, device=device)
-        emb, _, valid = self._memory.lookup(batch.user_id.cpu().numpy(), batch.request_time.cpu().numpy(), k)
+        emb, _, valid = self._memory.lookup(batch.user_id.cpu().numpy(), batch.request_time.cpu().numpy(), k,
+                                            max_age_s=self.memory_max_age_s)
         return torch.from_numpy(emb).to(device), torch.from_numpy(valid).to(device)
+
+    def read_memory(self, emb: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[B, k, D], [B, k] -> [B, d]: recency-weighted mean of the normalised embeddings, projected
+        (zeros for a user with no memory yet)."""
+        logits = self.memory_recency.masked_fill(~valid, float("-inf"))  # [B, k]
+        has = valid.any(1, keepdim=True)  # [B, 1]
+        w = torch.softmax(torch.where(has, logits, torch.zeros_like(logits)), dim=1) * valid  # [B, k]
+        pooled = (w.unsqueeze(-1) * self.memory_norm(emb.float())).sum(1)  # [B, D]
+        return self.memory_proj(pooled) * has  # [B, d]
 
     # ------------------------------------------------------------------ forward
 
@@ -94,23 +116,18 @@ class LoopFMStudent(StudentModel):
         emb, valid = self.memory_features(batch) if memory is None else memory  # [B,k,D], [B,k]
         ad = self.item(hash_ids(batch.ad_id, ITEM_BUCKETS, salt=2))  # [B, d]
         history = self.pooled_history(batch)  # [B, d]
-        w = valid.to(ad.dtype).unsqueeze(-1)  # [B, k, 1]
-        raw_mean = (emb.to(ad.dtype) * w).sum(1) / w.sum(1).clamp_min(1.0)  # [B, D]: pool first, project once
-        has = valid.any(1, keepdim=True).to(ad.dtype)  # [B, 1]
-        mean = self.memory_proj(self.memory_norm(raw_mean)) * has  # [B, d]
-        recent = self.memory_proj(self.memory_norm(emb[:, 0].to(ad.dtype))) * has  # [B, d], the latest
+        mem = self.read_memory(emb, valid).to(ad.dtype)  # [B, d]
         x = torch.cat([
             self.user(hash_ids(batch.user_id, USER_BUCKETS, salt=1)),
             ad,
             self.campaign(hash_ids(batch.campaign_id, CAMPAIGN_BUCKETS, salt=3)),
-            self.surface(batch.surface % 8),
+            self.surface(batch.surface % NUM_SURFACE_BUCKETS),
             self.dense(batch.dense),
             history,
             ad * history,
-            mean,
-            recent,
-            ad * mean,
-        ], dim=1)  # [B, 10d]
+            mem,
+            ad * mem,
+        ], dim=1)  # [B, 9d]
         return self.mlp(x)  # [B, hidden]
 
     def forward(self, batch: Batch, teacher_logits: dict[str, torch.Tensor] | None = None
@@ -126,25 +143,31 @@ class LoopFMStudent(StudentModel):
                 out[f"adapter/{task}"] = (t + self.adapter[task](t)).squeeze(-1)
         return out
 
-    def serving_flops(self) -> int:
-        """Multiply-adds of one request (embedding lookups excluded)."""
-        d = self.memory_proj.out_features
-        mlp = sum(m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear))
-        return mlp + 2 * self.memory_dim * d + 2 * self.heads["click"].in_features
-
 
 def student_flops(model: StudentModel) -> int:
-    """Multiply-adds of one KD-student request (embedding lookups excluded)."""
-    if isinstance(model, LoopFMStudent):
-        return model.serving_flops()
+    """Multiply-adds of one request on the serving path (embedding lookups and memory fetch excluded):
+    every Linear of the MLP and heads, the history/interaction products, and for LoopFM the
+    memory normalisation, pooling and projection."""
+    d = model.item.embedding_dim
+    hidden = model.heads["click"].in_features
     mlp = sum(m.in_features * m.out_features for m in model.mlp if isinstance(m, nn.Linear))
-    return mlp + 2 * model.heads["click"].in_features
+    flops = mlp + len(model.heads) * hidden + model.dense.in_features * d + d  # + dense proj + ad ⊙ history
+    if isinstance(model, LoopFMStudent):
+        k, D = model.memory_k, model.memory_dim
+        flops += 2 * k * D + k * D + D * d + d  # LayerNorm of k embeddings, weighted pool, projection, ad ⊙ mem
+    return flops
 
 
-def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None) -> tuple[LoopFMStudent, object]:
+def serving_params(model: StudentModel) -> int:
+    """Parameters on the serving path (a LoopFM student's aux heads and adapter are training-only)."""
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith(TRAINING_ONLY))
+
+
+def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
+                        *, map_location: str | torch.device = "cpu") -> tuple[LoopFMStudent, object]:
     """Rebuild a LoopFM student from its checkpoint (gem.yaml + model.pt) and attach its memory.
 
-    memory_dir defaults to the `memory/` directory next to the checkpoint's job directory.
+    memory_dir defaults to the `memory/` directory next to the checkpoint (the job directory's).
     """
     from gem.api import parse_object
     from gem.loopfm.memory import EmbeddingMemory
@@ -152,12 +175,11 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None) 
 
     ckpt = Path(ckpt)
     manifest = parse_object(read_manifest(ckpt))
-    state = torch.load(ckpt / MODEL_FILE, map_location="cpu", weights_only=True)
+    state = torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True)
     memory_dim = int(state["memory_proj.weight"].shape[1])
-    model = LoopFMStudent(manifest.spec.student, memory_dim)
+    model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim)
     model.load_state_dict(state)
     memory_dir = Path(memory_dir) if memory_dir else ckpt.parent / "memory"
     if memory_dir.is_dir():
         model.attach_memory(EmbeddingMemory(memory_dir).index())
     return model.eval(), manifest
-

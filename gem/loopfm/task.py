@@ -7,7 +7,8 @@ teacher version). The student reads the memory point-in-time in its forward pass
 evaluation and serving see the same features.
 
 Per task (click on all impressions, conversion on clicked ones), α = distillation.alpha,
-T = distillation.temperature:
+T = distillation.temperature, β = distillation.beta; the student reads the user's
+distillation.memoryK most recent embeddings, within distillation.memoryRetentionSeconds of the request:
 
     BCE(serving, label)                                     serving head: labels only, full weight
   + α·½·[BCE(aux/T, σ(teacher/T)) + BCE(aux, σ(adapter))]    aux head, gradient ×β into the backbone
@@ -73,7 +74,8 @@ class LoopFMTask:
         self.temperature = spec.distillation.temperature
 
     def build_model(self) -> nn.Module:
-        model = LoopFMStudent(self.manifest.spec.student, self.memory_dim)
+        spec = self.manifest.spec
+        model = LoopFMStudent.from_spec(spec.student, spec.distillation, self.memory_dim)  # memoryK, beta, retention
         return model.attach_memory(self.memory.index(self.model_version))
 
     def loss(self, model: nn.Module, batch: Batch) -> LossFn:

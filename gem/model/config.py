@@ -36,9 +36,9 @@ class GEMConfig:
     """Hash buckets of the campaign table."""
     num_time_buckets: int = 32
     """Log-spaced buckets of an event's age (see gem.model.embeddings.time_bucket)."""
-    tasks: tuple[str, ...] = ("click", "conversion")
-    """Funnel tasks with a head: what the trainer evaluates (gem/eval) by default; add "dwell"
-    (awareness, in the synthetic data) to train it as well."""
+    tasks: tuple[str, ...] = ("click", "conversion", "dwell")
+    """Funnel tasks with a head, trained (losses masked where a label is unknown) and evaluated
+    (gem/eval): consideration (click), conversion (post-click) and awareness (dwell)."""
 
 
 PRESETS: dict[str, GEMConfig] = {

@@ -14,12 +14,14 @@ from gem.data.batch import Batch
 
 
 def task_masks(batch: Batch) -> dict[str, torch.Tensor]:
-    """Which examples carry a label for each task, float [B]."""
-    return {"click": batch.weight, "conversion": batch.weight * batch.click}
+    """Which examples carry a label for each task, float [B] (a NaN label, unknown to its source, does not)."""
+    known = torch.isfinite(batch.conversion).to(batch.weight.dtype)
+    return {"click": batch.weight, "conversion": batch.weight * torch.nan_to_num(batch.click, nan=0.0) * known}
 
 
 def task_labels(batch: Batch) -> dict[str, torch.Tensor]:
-    return {"click": batch.click, "conversion": batch.conversion}
+    """Labels with unknown (NaN) values zeroed: their masks are 0, and 0 * NaN would still be NaN."""
+    return {"click": batch.click, "conversion": torch.nan_to_num(batch.conversion, nan=0.0)}
 
 
 def funnel_labels_and_masks(batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -197,7 +197,8 @@ class KunlunConfig:
 
 
 def v1_features(user_buckets: int, item_buckets: int, campaign_buckets: int) -> FeatureSchema:
-    """The features of the synthetic ads world (gem/data): ids, 2 dense, a typed event history.
+    """The features of the synthetic ads world (gem/data): ids, 2 dense, a typed event history
+    (ad impressions, clicks, conversions and organic engagement) over 4 surfaces.
 
     Non-sequence tokens: user, ad, campaign, dense, surface (5, like GEM v1, so tools that read
     the head input's first token as the user keep working).
@@ -208,18 +209,18 @@ def v1_features(user_buckets: int, item_buckets: int, campaign_buckets: int) -> 
         sparse=(SparseFeature(name="user", table="user"), SparseFeature(name="ad", table="item"),
                 SparseFeature(name="campaign", table="campaign")),
         num_dense=2,
-        event_types=("impression", "click", "conversion"),
+        event_types=("impression", "click", "conversion", "organic"),  # gem.data.synthetic.EVENT_TYPES
         event_tables=("item", "campaign"),
-        num_surfaces=2,
+        num_surfaces=4,  # feed, stories, reels, off-site (gem.data.synthetic.SURFACES)
         candidate=("ad", "campaign"),
     )
 
 
 def two_tiers(dim: int, heads: int, max_len: int, *, seeds: int, summary: int, recent: int,
               block: int) -> tuple[TierConfig, ...]:
-    """High-signal events (clicks, conversions) at 2x the model width, impressions at 1x."""
+    """High-signal events (clicks, conversions, organic likes/shares) at 2x the model width, impressions at 1x."""
     return (
-        TierConfig(name="engaged", event_types=("click", "conversion"), dim=2 * dim, num_heads=heads,
+        TierConfig(name="engaged", event_types=("click", "conversion", "organic"), dim=2 * dim, num_heads=heads,
                    max_seq_len=max_len, num_seeds=seeds, num_summary_tokens=summary, num_recent=recent,
                    block_size=block),
         TierConfig(name="impressions", event_types=("impression",), dim=dim, num_heads=heads,

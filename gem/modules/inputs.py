@@ -72,8 +72,13 @@ def single_id_bag(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(ids.numel() + 1, device=ids.device)
 
 
-def from_v1_batch(batch, event_types: tuple[str, ...] = ("impression", "click", "conversion")) -> GemInputs:
-    """gem.data.Batch (one typed event history) -> GemInputs (one sequence per event type)."""
+def from_v1_batch(batch, event_types: tuple[str, ...] = ("impression", "click", "conversion", "organic")
+                  ) -> GemInputs:
+    """gem.data.Batch (one typed event history) -> GemInputs (one sequence per event type).
+
+    event_types[i] names seq_type i (gem.data.synthetic.EVENT_TYPES); a type absent from a batch
+    is an empty sequence, so sources without organic events (MovieLens) work unchanged.
+    """
     seqs = split_by_type(batch.seq_offsets, batch.seq_type, batch.seq_timestamp,
                          {"item": batch.seq_ad_id, "campaign": batch.seq_campaign_id}, event_types,
                          getattr(batch, "seq_surface", None))

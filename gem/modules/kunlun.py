@@ -83,7 +83,7 @@ class KunlunLayer(JaggedModule):
             if self.runs_global:
                 self.seq_ffn[t.name] = (
                     PersonalizedFFN(t, dim=d, num_sum_tokens=cfg.num_sum_tokens, activation=cfg.gdpa_activation)
-                    if cfg.seq_ffn == "pffn" else TokenFFN(t, mult=cfg.token_ffn_mult))
+                    if cfg.seq_ffn == "pffn" else TokenFFN(t, mult=cfg.token_ffn_mult, activation=cfg.gdpa_activation))
                 self.hsp[t.name] = HierarchicalSeedPooling(t, rank=cfg.sum_kron_rank, activation=cfg.gdpa_activation)
             if self.runs_local:
                 self.attn[t.name] = self.make_attention(t, shift=(local_index % 2) * (t.block_size // 2))

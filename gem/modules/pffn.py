@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gem.modules.common import JaggedModule, RMSNorm, linear_flops
 from gem.modules.config import TierConfig
 from gem.modules.oneseq import TierBatch
 from gem.ops import Kernel, gdpa
+from gem.ops.activations import ACTIVATIONS, check_activations
 
 
 class PersonalizedFFN(JaggedModule):
@@ -48,18 +48,22 @@ class PersonalizedFFN(JaggedModule):
 
 
 class TokenFFN(nn.Module):
-    """S' = S + W2 GELU(W1 LN(S)), the same weights for every token (the comparison baseline)."""
+    """S' = RMSNorm(W2 act(W1 LN(S)) + LN(S)): the PFFN block with an ordinary per-token FFN (the
+    same weights for every token) in place of the generated one: same norms, residual and
+    activation, so a comparison of the two (benchmarks/model.py) measures only the FFN itself."""
 
-    def __init__(self, tier: TierConfig, *, mult: int):
+    def __init__(self, tier: TierConfig, *, mult: int, activation: str = "gelu"):
         super().__init__()
-        self.tier, self.hidden = tier, mult * tier.dim
-        self.norm = nn.LayerNorm(tier.dim)
+        self.tier, self.hidden, self.activation = tier, mult * tier.dim, activation
+        check_activations(activation, 1)
+        self.norm_in = nn.LayerNorm(tier.dim)
         self.w1 = nn.Linear(tier.dim, self.hidden)
         self.w2 = nn.Linear(self.hidden, tier.dim)
+        self.out_norm = RMSNorm(tier.dim)  # HSP reads this output without a norm of its own
 
     def forward(self, tb: TierBatch, x_sum: torch.Tensor | None = None) -> torch.Tensor:
-        s = tb.values
-        return s + self.w2(F.gelu(self.w1(self.norm(s)), approximate="tanh"))
+        s = self.norm_in(tb.values)
+        return self.out_norm(self.w2(ACTIVATIONS[self.activation](self.w1(s))) + s)
 
     def flops(self, batch: int, tokens: float) -> float:
         return 2 * linear_flops(tokens, self.tier.dim, self.hidden)

@@ -32,9 +32,11 @@ _LAZY = {
     "build_mesh": "gem.parallel.mesh",
     "parallelize": "gem.parallel.parallelize",
     "sync_gradients": "gem.parallel.parallelize",
+    "sync_parameter_gradients": "gem.parallel.parallelize",
     "full_state_dict": "gem.parallel.parallelize",
     "deepspeed_config_fragment": "gem.parallel.deepspeed_config",
     "prepare_deepspeed": "gem.parallel.deepspeed_config",
+    "split_for_deepspeed": "gem.parallel.deepspeed_config",
 }
 
 

@@ -18,10 +18,12 @@ What DeepSpeed gets:
     `tensor_model_parallel` so gradient-norm clipping counts them once per shard.
   * context parallel: not DeepSpeed's Ulysses sequence parallelism (which splits attention heads and
     sums gradients over its group); to DeepSpeed the cp ranks are data ranks.
-  * expert parallel and sharded embeddings: their parameters must be reduced over other groups
-    (expert_data, sparse_replica) and checkpointed per shard; DeepSpeed 0.19 does that only for its
-    own MoE layers, so the DeepSpeed trainer rejects ep > 1 and sparse_shard > 1 for now (use
-    parallelize + sync_gradients, which handle all five dimensions).
+  * expert parallel and sharded embeddings: their shards must be summed over other groups
+    (expert_data, sparse_replica), which DeepSpeed 0.19 does only for its own MoE layers. At ZeRO-1/2
+    `split_for_deepspeed` keeps them out of DeepSpeed's optimizer; the trainer syncs them and steps
+    a second AdamW over them, clipped with the global norm of both (gem/train/optim.py
+    ShardOptimizer, docs/parallelism.md §7). `check_deepspeed_plan` rejects ep > 1 and
+    sparse_shard > 1 at ZeRO-0 and ZeRO-3.
 """
 
 from __future__ import annotations
@@ -29,23 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from gem.parallel.mesh import ParallelMesh
-from gem.parallel.plan import ParallelPlan, PlanError
 
-#: The dimensions the DeepSpeed trainer path supports today (see the module docstring).
-DEEPSPEED_DIMS = frozenset({"dp_replicate", "dp_shard", "cp", "tp"})
-
-
-def check_deepspeed_plan(plan: ParallelPlan) -> None:
-    """Raise PlanError for what the DeepSpeed path cannot run (named dimension, degree, world)."""
-    for dim, degree in (("ep", plan.ep), ("sparse_shard", plan.sparse_shard)):
-        if degree > 1 and dim not in DEEPSPEED_DIMS:
-            raise PlanError(
-                f"{dim}={degree} is not supported with DeepSpeed yet: its parameters must be reduced over the "
-                f"{'expert_data' if dim == 'ep' else 'sparse_replica'} group and checkpointed per shard, which "
-                f"DeepSpeed 0.19 only does for its own MoE layers; set {dim} to 1 (world size {plan.world_size}, "
-                f"{plan.describe()})", dimension=dim, degree=degree, world_size=plan.world_size)
+# Torch-free, in plan.py so the operator checks plans the same way; re-exported here.
+from gem.parallel.plan import DEEPSPEED_DIMS, ParallelPlan, PlanError, check_deepspeed_plan  # noqa: F401
 
 
 def deepspeed_config_fragment(plan: ParallelPlan, *, micro_batch_size: int) -> dict[str, Any]:
@@ -104,12 +95,15 @@ class DeepSpeedMPU:
         return 1
 
 
-def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh) -> DeepSpeedMPU:
+def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh, *, shards_outside: bool = False) -> DeepSpeedMPU:
     """Check the plan, point DeepSpeed's hpZ group at the plan's shard group, return the mpu.
 
-    Call after parallelize and before deepspeed.initialize, on every rank.
+    Call after parallelize and before deepspeed.initialize, on every rank. The plan is checked
+    (check_deepspeed_plan: ep / sparse_shard only at ZeRO-1/2, where the caller keeps their shards
+    out of DeepSpeed with split_for_deepspeed); `shards_outside` skips that check.
     """
-    check_deepspeed_plan(plan)
+    if not shards_outside:
+        check_deepspeed_plan(plan)
     if plan.zero_stage == 3 and plan.hsdp_enabled:
         from deepspeed.utils import groups as ds_groups
 
@@ -120,8 +114,55 @@ def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh) -> DeepSpeedMPU:
     return DeepSpeedMPU(mesh)
 
 
+#: DeepSpeed group names of the shards kept outside its optimizer (see split_for_deepspeed).
+SHARD_GROUP_PREFIX = "gem_"
+
+
+def split_for_deepspeed(model: nn.Module, plan: ParallelPlan,
+                        mesh: ParallelMesh) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(parameters for DeepSpeed's optimizer, expert and embedding-row shards kept outside it).
+
+    DeepSpeed averages every parameter it optimizes over its data group; a shard's gradient must
+    instead be summed over the group holding its replicas (expert_data, sparse_replica) — DeepSpeed
+    does that only for its own MoE layers (docs/parallelism.md §7). So the shards are left out of
+    its optimizer: at ZeRO-1/2 its reduction hooks cover only the optimizer's parameters; the
+    caller reduces the shards with `sync_parameter_gradients(shards, mesh)` after
+    `engine.backward` and steps its own optimizer over them. They are also marked as DeepSpeed
+    expert parameters of a group that is their replica group, so the engine's initial broadcast
+    copies each shard from its own replica instead of rank 0's shard over the data group.
+    ZeRO-0 (the engine reduces every module gradient) and ZeRO-3 (it partitions every module
+    parameter) cannot keep parameters out: a PlanError names the stage.
+    """
+    from deepspeed.utils import groups as ds_groups
+
+    from gem.parallel.parallelize import grad_group
+
+    dense, shards = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (dense if grad_group(p) == "data" else shards).append(p)
+    if shards and plan.zero_stage not in (1, 2):
+        raise PlanError(
+            f"ep={plan.ep} / sparse_shard={plan.sparse_shard} with DeepSpeed need zero_stage 1 or 2, not "
+            f"{plan.zero_stage}: at stage 0 the engine all-reduces every module gradient over the data group, "
+            f"at stage 3 it partitions every module parameter ({plan.describe()})",
+            dimension="zero_stage", degree=plan.zero_stage, world_size=plan.world_size)
+    for name in sorted({grad_group(p) for p in shards}):
+        key = SHARD_GROUP_PREFIX + name
+        group = mesh.get_group(name)
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP[key] = group
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[key] = mesh.ranks(name)
+    for p in shards:
+        p.allreduce = False  # deepspeed.moe.utils.is_moe_param
+        p.group_name = SHARD_GROUP_PREFIX + grad_group(p)
+    return dense, shards
+
+
 def reset_deepspeed_groups() -> None:
-    """Forget the hpZ group (tests that build several engines in one process)."""
+    """Forget the hpZ group and the shard groups (tests that build several engines in one process)."""
     from deepspeed.utils import groups as ds_groups
 
     ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    for table in (ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        for key in [k for k in table if k.startswith(SHARD_GROUP_PREFIX)]:
+            del table[key]

@@ -101,19 +101,24 @@ def sync_gradients(model: nn.Module, mesh: ParallelMesh) -> None:
     A parameter without a gradient on this rank counts as zero (every rank must join every
     all-reduce). One flat all-reduce per group.
     """
+    sync_parameter_gradients([p for p in model.parameters() if p.requires_grad], mesh)
+
+
+@torch.no_grad()
+def sync_parameter_gradients(params: list[nn.Parameter], mesh: ParallelMesh) -> None:
+    """sync_gradients for a subset (the same subset on every rank, in the same order). Collective."""
     by_group: dict[str, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            by_group.setdefault(grad_group(p), []).append(p)
+    for p in params:
+        by_group.setdefault(grad_group(p), []).append(p)
     scale = 1.0 / mesh.plan.data_world
     for name in sorted(by_group):
-        params = by_group[name]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        members = by_group[name]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if mesh.size(name) > 1:
             dist.all_reduce(flat, group=mesh.get_group(name))
         flat.mul_(scale)
-        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+        for p, chunk in zip(members, flat.split([g.numel() for g in grads])):
             if p.grad is None:
                 p.grad = chunk.view_as(p).clone()
             else:

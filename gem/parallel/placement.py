@@ -69,8 +69,10 @@ def _slice_level(topology: Topology) -> Level | None:
 
 def kueue_pod_metadata(topology: Topology, *, group_name: str) -> dict[str, dict[str, str]]:
     """Annotations for both the Master and the Worker pod templates (the same for both)."""
-    if topology.num_nodes == 1:
-        return {"annotations": {}}  # one pod: nothing to place relative to anything
+    if topology.num_nodes == 1 or not any(lvl.label for lvl in topology.levels[1:]):
+        # one pod, or no level above the node: nothing to ask TAS for (a PodSet group without a
+        # topology request is not valid)
+        return {"annotations": {}}
     annotations = {KUEUE_GROUP: group_name}
     whole = _whole_job_level(topology)
     if whole.label is not None:
@@ -231,7 +233,9 @@ def summarize_placement(placement: Sequence[Mapping[str, Any]], topology: Topolo
 def topology_env(pool_sizes: Mapping[str, int], mode: PlacementMode | str) -> dict[str, str]:
     """The container env entry that tells the trainer the node pool and the placement (gem/parallel/job.py).
 
-    pool_sizes: label key -> nodes per domain, e.g. `NodePool.from_nodes(nodes, levels).nodes_per_domain`.
+    pool_sizes: label key -> nodes per domain, innermost level first, e.g.
+    `NodePool.from_nodes(nodes, levels).nodes_per_domain`. (JobParallelism.env adds the plan.)
     """
-    value = json.dumps({"nodesPerDomain": dict(pool_sizes), "placement": PlacementMode(mode).value}, sort_keys=True)
+    value = json.dumps({"levels": list(pool_sizes), "nodesPerDomain": dict(pool_sizes),
+                        "placement": PlacementMode(mode).value}, sort_keys=True)
     return {"name": "GEM_TOPOLOGY", "value": value}

@@ -320,64 +320,118 @@ def _divisors(n: int) -> list[int]:
 DIMS = frozenset({"dp_replicate", "dp_shard", "ep", "cp", "tp", "sparse_shard"})
 
 
+#: The dimensions the automatic plan chooses on the DeepSpeed trainer path (gem/parallel/deepspeed_config.py).
+#: ep and sparse_shard also run there, at ZeRO-1/2, but only when given explicitly (spec.parallelism.plan):
+#: their shards are stepped outside DeepSpeed's optimizer (gem/train/optim.py ShardOptimizer), so an
+#: automatic choice would change how a job that never asked for them trains and checkpoints.
+DEEPSPEED_DIMS = frozenset({"dp_replicate", "dp_shard", "cp", "tp"})
+
+#: ZeRO stages that can keep expert and embedding-row shards out of DeepSpeed (split_for_deepspeed).
+SHARD_ZERO_STAGES = (1, 2)
+
+
+def check_deepspeed_plan(plan: ParallelPlan) -> None:
+    """Raise PlanError for what the DeepSpeed path cannot run (named dimension, degree, world)."""
+    for dim, degree in (("ep", plan.ep), ("sparse_shard", plan.sparse_shard)):
+        if degree > 1 and plan.zero_stage not in SHARD_ZERO_STAGES:
+            raise PlanError(
+                f"{dim}={degree} is not supported with DeepSpeed at zero_stage {plan.zero_stage}: its shards are "
+                f"reduced over the {'expert_data' if dim == 'ep' else 'sparse_replica'} group and stepped outside "
+                f"DeepSpeed's optimizer, which needs zero_stage 1 or 2 (stage 0 all-reduces every module gradient, "
+                f"stage 3 partitions every module parameter); set zeroStage to 1 or 2, or {dim} to 1 "
+                f"(world size {plan.world_size}, {plan.describe()})", dimension=dim, degree=degree,
+                world_size=plan.world_size)
+
+
+#: Where fixed degrees come from, for the reason text.
+GIVEN = "given in spec.parallelism.plan"
+
+
 def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = ModelShapeHints(), *,
-              zero_stage: int = 1, allowed: frozenset[str] = DIMS) -> tuple[ParallelPlan, str]:
+              zero_stage: int = 1, allowed: frozenset[str] = DIMS, fixed: Mapping[str, int] | None = None,
+              given: str = GIVEN) -> tuple[ParallelPlan, str]:
     """A plan for world_size ranks on topology, with the most talkative dimension on the fastest links.
 
     Rules, in order: tp inside a node (only for matrices wide enough to split); cp and ep inside
     the node if they fit, else inside the block; the ZeRO shard group over the rest of one block;
     replicas across blocks. Dimensions not in `allowed` stay at 1 (the caller cannot run them).
-    Returns the plan and the reasons, one clause per decision, joined by "; ".
+    `fixed` (snake_case degrees, dp_* may be -1 for "the rest") are kept as given and the others
+    chosen around them. Returns the plan and the reasons, one clause per decision, joined by "; ".
     """
     if topology.world_size != world_size:
         raise PlanError(f"world size {world_size} does not match the topology ({topology.describe()})",
                         dimension="world", degree=world_size, world_size=topology.world_size)
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - DIMS)
+    if unknown:
+        raise ValueError(f"unknown parallel degrees {unknown}; known: {', '.join(sorted(DIMS))}")
     node, block = topology.node.size, topology.block.size
     why: list[str] = []
 
     # tp: per-layer all-reduces of activations -> only NVLink, only for wide matrices.
-    tp = 1
-    if hints.hidden_dim and "tp" in allowed:
+    tp = fixed.get("tp", 1)
+    if "tp" in fixed:
+        why.append(f"tp={tp}: {given}")
+    elif hints.hidden_dim and "tp" in allowed:
         for cand in _divisors(node):
             if hints.hidden_dim % cand == 0 and hints.hidden_dim // cand >= TP_MIN_SHARD_WIDTH:
                 tp = cand
-    why.append(f"tp={tp}: " + (
+    if "tp" not in fixed:
+        why.append(f"tp={tp}: " + (
         f"the widest projection ({hints.hidden_dim}) splits into {tp} shards of >= {TP_MIN_SHARD_WIDTH} "
         f"columns inside one node ({node} ranks, NVLink)" if tp > 1 else
         f"no projection is wide enough to split (needs >= {2 * TP_MIN_SHARD_WIDTH} columns, "
         f"widest {hints.hidden_dim or 'unknown'})"))
 
     # cp: per-layer key/value traffic -> inside a node if possible, else a block.
-    cp = 1
-    if hints.max_seq_len > CP_MAX_TOKENS_PER_RANK and "cp" in allowed:
+    cp = fixed.get("cp", 1)
+    if "cp" in fixed:
+        why.append(f"cp={cp}: {given}")
+    elif hints.max_seq_len > CP_MAX_TOKENS_PER_RANK and "cp" in allowed:
         need = math.ceil(hints.max_seq_len / CP_MAX_TOKENS_PER_RANK)
         fits = [d for d in _divisors(block // tp) if d >= need and world_size % (d * tp) == 0]
         cp = min(fits) if fits else max(d for d in _divisors(block // tp) if world_size % (d * tp) == 0)
-    why.append(f"cp={cp}: " + (
+    if "cp" not in fixed:
+        why.append(f"cp={cp}: " + (
         f"histories up to {hints.max_seq_len} tokens are split so each rank holds <= "
         f"{math.ceil(hints.max_seq_len / cp)} tokens, inside one {_level_for(topology, cp * tp)}"
         if cp > 1 else f"histories (max {hints.max_seq_len or 'unknown'} tokens) fit one rank "
         f"(<= {CP_MAX_TOKENS_PER_RANK})"))
 
+    if world_size % (tp * cp):  # the plan's own check names the product
+        ParallelPlan(world_size=world_size, tp=tp, cp=cp, dp_shard=-1, zero_stage=zero_stage)
     data_world = world_size // (tp * cp)
     data_in_block = max(1, block // (tp * cp)) if block >= tp * cp else 1
+    shard_given = fixed.get("dp_shard", -1)
+    replicate_given = fixed.get("dp_replicate", -1)
 
     # ep: activations all-gathered and reduce-scattered around every expert layer -> fastest links.
-    ep = 1
-    if hints.num_experts > 1 and "ep" in allowed:
+    ep = fixed.get("ep", 1)
+    if "ep" in fixed:
+        why.append(f"ep={ep}: {given}")
+    elif hints.num_experts > 1 and "ep" in allowed:
         cands = [d for d in _divisors(hints.num_experts) if d * cp * tp <= block and block % (d * cp * tp) == 0
-                 and data_world % d == 0]
+                 and data_world % d == 0 and (shard_given < 1 or shard_given % d == 0)]
         in_node = [d for d in cands if d * cp * tp <= node]
         ep = max(in_node) if in_node and max(in_node) > 1 else max(cands, default=1)
-    why.append(f"ep={ep}: " + (
+    if "ep" not in fixed:
+        why.append(f"ep={ep}: " + (
         f"{hints.num_experts} dense experts, {hints.num_experts // ep} per rank, each expert-parallel "
         f"group inside one {_level_for(topology, ep * cp * tp)}" if ep > 1 else
-        "no dense expert ensemble" if hints.num_experts <= 1 else
         "expert parallelism is not available here" if "ep" not in allowed else
+        "no dense expert ensemble" if hints.num_experts <= 1 else
         "the experts cannot be split inside a block"))
 
     # dp_shard: ZeRO all-gathers/reduce-scatters every step -> one block; at least what memory needs.
-    if zero_stage == 0:
+    if shard_given >= 1 or (shard_given == -1 and "dp_shard" in fixed) or replicate_given >= 1:
+        if shard_given >= 1:
+            dp_shard = shard_given
+        else:  # the rest after the given replicas (or all data ranks)
+            dp_shard = max(1, data_world // max(replicate_given, 1))
+        why.append(f"dp_shard={dp_shard}: " + (given if shard_given >= 1 else
+                                                 f"the data ranks left after dp_replicate={max(replicate_given, 1)} "
+                                                 f"({given})"))
+    elif zero_stage == 0:
         dp_shard = ep
         why.append(f"dp_shard={dp_shard}: zeroStage 0 keeps a full copy of the state on every rank")
     else:
@@ -396,19 +450,25 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
             why.append(f"dp_shard={dp_shard}: ZeRO-{zero_stage} shards over every data rank of one "
                        f"{_level_for(topology, dp_shard * cp * tp)}, so parameter all-gathers and gradient "
                        f"reduce-scatters stay on its links")
-    dp_replicate = data_world // dp_shard
-    why.append(f"dp_replicate={dp_replicate}: " + (
+    dp_replicate = replicate_given if replicate_given >= 1 else max(1, data_world // dp_shard)
+    if replicate_given >= 1:
+        why.append(f"dp_replicate={dp_replicate}: {given}")
+    else:
+        why.append(f"dp_replicate={dp_replicate}: " + (
         f"one replica per {_level_for(topology, dp_shard * cp * tp)}, only the gradient shards "
         f"(1/{dp_shard} of the model) are all-reduced across them" if dp_replicate > 1 else "a single replica"))
 
     # sparse: row-wise shards inside the shard group (all-to-all stays in the block) unless too big.
-    sparse = dp_shard * cp if "sparse_shard" in allowed else 1
-    if hints.sparse_params and "sparse_shard" in allowed:
+    sparse = fixed.get("sparse_shard", dp_shard * cp if "sparse_shard" in allowed else 1)
+    if "sparse_shard" in fixed:
+        why.append(f"sparse_shard={sparse}: {given}")
+    elif hints.sparse_params and "sparse_shard" in allowed:
         budget = hints.gpu_memory_bytes * STATE_MEMORY_FRACTION
         need = math.ceil(hints.sparse_params * SPARSE_BYTES_PER_ELEMENT / budget)
         if need > sparse:
             sparse = min((d for d in _divisors(data_world) if d >= need), default=data_world)
-    why.append(f"sparse_shard={sparse}: embedding rows are sharded over {sparse} data ranks "
+    if "sparse_shard" not in fixed:
+        why.append(f"sparse_shard={sparse}: embedding rows are sharded over {sparse} data ranks "
                f"(inside one {_level_for(topology, sparse * tp)}) and replicated {data_world // sparse}x"
                if sparse > 1 else "sparse_shard=1: embedding tables are replicated" +
                ("" if "sparse_shard" in allowed else " (row sharding is not available here)"))

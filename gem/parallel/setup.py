@@ -5,8 +5,10 @@
     loader = ShardedLoader(..., rank=par.data_rank, world_size=par.data_world_size)
     report["parallelPlan"] = par.report()
 
-The trainer path runs on DeepSpeed, so the automatic plan only uses what that path supports
-(deepspeed_config.DEEPSPEED_DIMS); explicit degrees outside it are rejected with PlanError.
+The trainer path runs on DeepSpeed, so the automatic plan only chooses plan.DEEPSPEED_DIMS; ep and
+sparse_shard run when given explicitly, at ZeRO-1/2 (check_deepspeed_plan raises PlanError otherwise;
+the trainer keeps their shards out of DeepSpeed, gem/train/optim.py ShardOptimizer). Under the operator
+the plan comes from GEM_TOPOLOGY (gem/parallel/job.py), so the trainer runs what the status shows.
 """
 
 from __future__ import annotations
@@ -66,8 +68,7 @@ def setup_parallel(model: nn.Module, spec, *, world_size: int, rank: int, procs_
     if rank == 0:
         for note in job.notes:
             log.warning("parallel: %s", note)
-        log.info("parallel plan %s placement=%s topology=[%s] groups=%s", job.plan.describe(), job.placement.value,
-                 job.topology.describe(), job.plan.group_levels(job.topology))
+        log.info("%s", job.log_line())
         log.info("parallel reason %s", job.reason)
     mesh = build_mesh(job.plan)
     model = parallelize(model, job.plan, mesh)

@@ -8,6 +8,8 @@ Layout, under <spec.checkpoint.path>/<namespace>/<name>/:
       model.pt                      # consolidated fp32 state dict (gathered under ZeRO-3)
       trainer_state.json            # step, totalSteps, loader position, MLflow run id
       rng/rank-00000.pt             # per-rank RNG states
+      shards/rank-00000.pt          # ep / sparse_shard runs: this rank's expert and embedding-row shards,
+                                    #   their AdamW state and schedule (DeepSpeed keeps only one rank's copy)
       mp_rank_00_model_states.pt    # DeepSpeed's own files (optimizer/ZeRO shards, scheduler)
       ...
     .tmp-step-00000300/             # a save in progress (or one that crashed): never loaded
@@ -43,6 +45,7 @@ COMPLETE = "COMPLETE"
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "gem.yaml"
 STATE_FILE = "trainer_state.json"
+SHARDS_DIR = "shards"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -128,9 +131,20 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str, Any], state: dict[str, Any],
-         keep_last: int) -> Path:
-    """Save a checkpoint of `step` atomically; returns its final directory. Collective."""
+         keep_last: int, rank_state: dict[str, Any] | None = None) -> Path:
+    """Save a checkpoint of `step` atomically; returns its final directory. Collective.
+
+    `rank_state`: this rank's own state outside DeepSpeed (ShardOptimizer.state_dict()), written to
+    shards/rank-NNNNN.pt inside the temp dir, so it is there before COMPLETE marks the checkpoint.
+    """
     final = job / step_dir_name(step)
     tmp = job / f".tmp-{step_dir_name(step)}"
     if env.is_main:
@@ -145,6 +159,9 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
     weights = full_state_dict(engine)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{env.rank:05d}.pt")
+    if rank_state is not None:
+        (tmp / SHARDS_DIR).mkdir(exist_ok=True)
+        _fsync_save(rank_state, tmp / SHARDS_DIR / f"rank-{env.rank:05d}.pt")
     if env.is_main:
         torch.save(weights, tmp / MODEL_FILE)
         _fsync_write(tmp / MANIFEST_FILE, yaml.safe_dump(manifest, sort_keys=False))
@@ -223,6 +240,15 @@ def load(engine: Any, env: DistEnv, ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / STATE_FILE).read_text())
 
 
+def load_rank_state(env: DistEnv, ckpt: Path) -> dict[str, Any]:
+    """This rank's shards/rank-NNNNN.pt (what save's rank_state wrote). Raises FileNotFoundError naming it."""
+    path = ckpt / SHARDS_DIR / f"rank-{env.rank:05d}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {ckpt} was saved without this rank's expert / embedding-row "
+                                "shards (another parallel plan or world size); resume with the plan that saved it")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def read_manifest(ckpt: str | os.PathLike) -> dict[str, Any]:
     return yaml.safe_load((Path(ckpt) / MANIFEST_FILE).read_text())
 
@@ -239,6 +265,10 @@ def load_model(ckpt: str | os.PathLike, *, map_location: str | torch.device = "c
         from gem.model import build_model
 
         model = build_model(manifest.spec.model)
+    elif manifest.spec.distillation.method == "loopfm":
+        from gem.loopfm.student import load_loopfm_student
+
+        return load_loopfm_student(ckpt, map_location=map_location)  # also attaches the job's memory
     else:
         from gem.distill.student import build_student
 

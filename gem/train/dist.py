@@ -5,9 +5,9 @@ PET_MASTER_PORT by the Kubeflow training operator) sets RANK, WORLD_SIZE, LOCAL_
 MASTER_ADDR and MASTER_PORT for each process. Without torchrun, `gem train` is one process:
 world size 1 on a free local port. Backend: nccl on GPU, gloo on CPU.
 
-`setup_parallel` turns the spec into a parallel plan (gem/parallel, docs/parallelism.md): explicit
-degrees from spec.training.deepspeed.parallelPlan or the automatic choice for the job's topology,
-logged with its reason; it builds the process groups, applies the plan to the model and hands
+`setup_parallel` turns the spec into a parallel plan (gem/parallel, docs/parallelism.md): the
+operator's plan from GEM_TOPOLOGY, else the degrees of spec.parallelism.plan with the others chosen
+automatically for the job's topology, logged with its reason; it builds the process groups, applies the plan to the model and hands
 DeepSpeed its groups (`mpu`) and config (`deepspeed_config(..., plan=)`).
 """
 

@@ -3,6 +3,8 @@
     env = init_distributed()                     # torchrun's world, or a world of one
     parallel = setup_parallel(model, spec, env)  # parallel plan (logged with its reason), groups, parallelized model
     engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec and plan, mpu)
+        # ep / sparse_shard: expert and embedding-row shards stay out of DeepSpeed, with their own AdamW
+        # (gem.train.optim.ShardOptimizer: synced after backward, clipped with the global norm)
     resume from the latest complete checkpoint   # model, optimizer, scheduler, data position, RNG
     for step in start+1 .. training.steps:
         loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
@@ -29,7 +31,7 @@ from gem.data.sources import load_data
 from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
 from gem.train import checkpoint
 from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
-from gem.train.optim import build_optimizer
+from gem.train.optim import ShardOptimizer, build_optimizer
 from gem.train.precision import apply_precision
 from gem.train.task import Task
 from gem.train.tracking import Tracker
@@ -77,11 +79,28 @@ class Trainer:
         model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
         self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
         model = self.parallel.model
-        optimizer, scheduler = build_optimizer(model, training)
+        plan = self.parallel.job.plan
+        self.shard_opt: ShardOptimizer | None = None
+        if plan.ep > 1 or plan.sparse_shard > 1:
+            from gem.parallel.deepspeed_config import split_for_deepspeed
+
+            dense, shards = split_for_deepspeed(model, plan, self.parallel.mesh)
+            if shards:
+                if self.bf16:
+                    raise ValueError(f"training.precision {training.precision} with ep / sparse_shard is not "
+                                     "supported yet: the expert and embedding-row shards would train without fp32 "
+                                     "master weights; use fp32")
+                self.shard_opt = ShardOptimizer(model, shards, self.parallel.mesh, training)
+        if self.shard_opt is None:
+            optimizer, scheduler = build_optimizer(model, training)
+        else:
+            optimizer, scheduler = build_optimizer(model, training, params=dense)
         ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size,
                                      plan=self.parallel.job.plan)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=self.parallel.mpu)
+        if self.shard_opt is not None:
+            self.shard_opt.attach(self.engine)
         # tensor- and context-parallel peers read the same data shard
         self.loader = self.data.train_loader(batch_size=training.batch_size, max_seq_len=self.task.max_seq_len,
                                              rank=self.parallel.data_rank,
@@ -99,6 +118,8 @@ class Trainer:
         if ckpt is None:
             return
         state = checkpoint.load(self.engine, self.env, ckpt)
+        if self.shard_opt is not None:  # DeepSpeed's module file holds rank 0's shards: put back this rank's
+            self.shard_opt.load_state_dict(checkpoint.load_rank_state(self.env, ckpt))
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         if self.env.is_main:
@@ -115,7 +136,12 @@ class Trainer:
         with self._autocast():
             loss, parts = self.task.loss(self.engine, batch)
         self.engine.backward(loss)
-        self.engine.step()
+        if self.shard_opt is None:
+            self.engine.step()
+        else:
+            self.shard_opt.sync()
+            self.engine.step()
+            self.shard_opt.step(self.engine)
         return {"loss": loss.item(), **{f"loss/{k}": v.item() for k, v in parts.items()}}
 
     def evaluate(self) -> dict[str, float]:
@@ -138,6 +164,10 @@ class Trainer:
         # in the order of self.eval_examples (gem/eval/report.py lines predictions up with it)
         self._predictions = [p for name in self.data.evaluated for p in per_source[name]]
         metrics = metrics_from_predictions(self._predictions)
+        # per-surface keys (ne/click@surface=feed, ...) go to MLflow only: the final report must fit
+        # the pod's 4 KB termination message; the eval report holds them too (gem/eval/report.py)
+        self._surface_metrics = {k: v for k, v in metrics_from_predictions(self._predictions, by_surface=True).items()
+                                 if k not in metrics}
         if self.data.mixed:  # the effect of each source's weight, visible per source
             for name, parts in per_source.items():
                 metrics.update({f"{k}@{name}": v for k, v in metrics_from_predictions(parts).items()})
@@ -148,7 +178,8 @@ class Trainer:
                  "mlflowRunId": self.tracker.run_id}
         path = checkpoint.save(self.engine, self.env, self.job_dir, step=self.step,
                                manifest=self.manifest.to_wire(), state=state,
-                               keep_last=self.spec.checkpoint.keep_last)
+                               keep_last=self.spec.checkpoint.keep_last,
+                               rank_state=self.shard_opt.state_dict() if self.shard_opt is not None else None)
         if self.env.is_main:
             log.info("checkpoint step=%d path=%s", self.step, path)
         return path
@@ -241,7 +272,7 @@ class Trainer:
         log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _log_eval(self, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(self.step, metrics)
+        self.tracker.log_metrics(self.step, {**metrics, **getattr(self, "_surface_metrics", {})})
         if self.env.is_main:
             keys = [k for k in metrics if k.split("/")[0] in ("ne", "auc", "bayes_ne", "teacher_ne", "loss")]
             self._log_line("eval", step=self.step, **{k: f"{metrics[k]:.4f}" for k in keys})

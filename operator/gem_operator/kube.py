@@ -31,6 +31,8 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # the master's recent log lines carry the trainer's progress (see reconcile.progress_from_log)
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+    # node labels size the topology levels and say where each rank landed (gem_operator/parallel.py)
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     # kopf: discovery of the resources it serves, and namespaces when running cluster-wide.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
@@ -192,6 +194,13 @@ def list_job_pods(namespace: str, job_name: str) -> list[dict[str, Any]]:
         namespace, label_selector=f"training.kubeflow.org/job-name={job_name}", _preload_content=False,
         _request_timeout=_timeout(),
     )
+    return json.loads(resp.data)["items"]
+
+
+def list_nodes(selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Nodes matching the label selector (the job's nodeSelector), as raw JSON like list_job_pods."""
+    label_selector = ",".join(f"{k}={v}" for k, v in sorted((selector or {}).items())) or None
+    resp = core().list_node(label_selector=label_selector, _preload_content=False, _request_timeout=_timeout())
     return json.loads(resp.data)["items"]
 
 

@@ -16,7 +16,7 @@ import kopf
 
 from gem.api import render, status as st
 from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, Phase
-from gem_operator import kube, metrics
+from gem_operator import kube, metrics, parallel
 from gem_operator.settings import CONFIG
 from gem_operator.validation import InvalidSpec, parse_resource
 
@@ -173,9 +173,14 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
             status.get("conditions", []), "TeacherReady", "True", "TeacherSucceeded", "teacher checkpoint resolved"
         )
 
+    defaults = CONFIG.platform_defaults()
+    try:
+        placement, _ = parallel.plan(kind, obj, defaults, logger)
+    except parallel.InvalidPlan as e:
+        return mark_invalid(kind, body, e.message, logger, reason=e.reason)
     cm = render.render_config_map(obj, teacher)
     job = render.render_pytorchjob(
-        obj, mlflow_tracking_uri=CONFIG.mlflow_tracking_uri, teacher=teacher, defaults=CONFIG.platform_defaults()
+        obj, mlflow_tracking_uri=CONFIG.mlflow_tracking_uri, teacher=teacher, defaults=defaults, placement=placement
     )
     job["metadata"].setdefault("annotations", {}).update(
         {ANNOTATION_SPEC_HASH: spec_hash(body["spec"]), ANNOTATION_REQUESTED_SUSPEND: str(bool(obj.spec.suspend)).lower()}
@@ -192,6 +197,10 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
         _event(body, "Normal", "JobCreated", f"created PyTorchJob {job_name}", key=child["metadata"].get("uid", job_name))
     status["conditions"] = st.set_condition(status.get("conditions", []), "Valid", "True", "SpecValid", "spec is valid")
     status.update(pytorchJob=job_name, observedGeneration=generation)
+    # What the created job runs (an existing job keeps the plan it was rendered with).
+    plan_status = parallel.plan_status(parallel.job_topology_info(child) or {})
+    if plan_status:
+        status["parallelPlan"] = plan_status
     if status.get("phase") in (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value):
         status = _set_phase(status, Phase.created.value, f"PyTorchJob {job_name} created")
     return status
@@ -255,7 +264,32 @@ def _reconcile_running(
                key=f"{meta.get('generation')}/{want}")
         logger.info("set suspend=%s on %s", want, job["metadata"]["name"])
     status = {**status, "conditions": conds, "pytorchJob": job["metadata"]["name"], "observedGeneration": meta.get("generation")}
-    return {**status, **mirror_job(status, job, body, logger)}
+    status = {**status, **mirror_job(status, job, body, logger)}
+    return _observe_parallelism(body, job, status, logger)
+
+
+def _observe_parallelism(body: dict[str, Any], job: dict[str, Any], status: dict[str, Any],
+                         logger: logging.Logger) -> dict[str, Any]:
+    """status.parallelPlan from the job (also after a crash before the first status write) and,
+    while the job runs, status.placement: where its node ranks landed."""
+    info = parallel.job_topology_info(job)
+    if info is None:
+        return status  # a job rendered before placement existed
+    plan_status = parallel.plan_status(info)
+    if plan_status and status.get("parallelPlan") != plan_status:
+        status = {**status, "parallelPlan": plan_status}
+    if status.get("phase") in TERMINAL_PHASES or not info.get("levels"):
+        # ended: its pods may be gone, keep the last placement seen; no level above the node:
+        # no domain to report and no group can leave its level (tp stays in a pod)
+        return status
+    placement = parallel.observe(job, info, logger, status.get("placement"))
+    if placement is None:
+        return status
+    violations = placement.get("violations") or []
+    if violations and violations != (status.get("placement") or {}).get("violations"):
+        msg = "; ".join(violations)
+        _event(body, "Warning", "PlacementViolation", msg, key=f"{job['metadata'].get('uid')}/{msg}")
+    return {**status, "placement": placement}
 
 
 def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, Any], logger: logging.Logger) -> dict[str, Any]:

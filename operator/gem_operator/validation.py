@@ -115,6 +115,11 @@ def runnable_problems(obj: Any) -> list[str]:
     if spec.scheduling.priority_class_name:
         name = spec.scheduling.priority_class_name
         checks.append(("spec.scheduling.priorityClassName", _subdomain(name) or _label_value(name)))
+    for i, level in enumerate(spec.parallelism.topology.levels):
+        # node-label keys: they become pod-affinity topology keys and Kueue annotations
+        checks.append((f"spec.parallelism.topology.levels[{i}]", _label_key(level)))
+    if len(set(spec.parallelism.topology.levels)) != len(spec.parallelism.topology.levels):
+        checks.append(("spec.parallelism.topology.levels", "each label key may appear once"))
     for key, value in spec.resources.node_selector.items():
         checks.append((f"spec.resources.nodeSelector[{key!r}]", _label_key(key) or _label_value(value)))
     for i, tol in enumerate(spec.resources.tolerations):

@@ -412,7 +412,7 @@ class PyTorchJobExecutor:
             c.setdefault("terminationMessagePolicy", "File")
         policy = rspec.get("restartPolicy") or "OnFailure"
         pspec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
-        pspec.setdefault("nodeName", "kubeapi-local")
+        pspec.setdefault("nodeName", self._schedule(rtype, index, pspec))
         pspec.setdefault("schedulerName", "default-scheduler")
         labels = dict(tmd.get("labels") or {})
         labels.update(self._labels(name, rtype, index))
@@ -452,6 +452,19 @@ class PyTorchJobExecutor:
         self._report(run)
         return self.store.get(pods_t, ns, pname)
 
+    def _schedule(self, rtype: str, index: int, pspec: dict) -> str:
+        """The node a pod is bound to: without Node objects the one local machine; with them, a
+        deterministic stand-in for topology-aware scheduling: the nodes matching the pod's
+        nodeSelector sorted by name, node rank r (Master 0, Worker i -> i+1) on the r-th of them."""
+        nodes, _ = self.store.list(self.store.types[("", "nodes")], None)
+        selector = pspec.get("nodeSelector") or {}
+        names = sorted(n["metadata"]["name"] for n in nodes
+                       if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items()))
+        if not names:
+            return "kubeapi-local"
+        rank = index + (1 if rtype.lower() == "worker" else 0)
+        return names[rank % len(names)]
+
     @staticmethod
     def _field_ref(e: dict, pod: dict) -> dict:
         fr = (e.get("valueFrom") or {}).get("fieldRef")
@@ -460,7 +473,7 @@ class PyTorchJobExecutor:
         path = fr.get("fieldPath", "")
         md = pod["metadata"]
         m = {"metadata.name": md["name"], "metadata.namespace": md["namespace"], "metadata.uid": md["uid"],
-             "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1", "spec.nodeName": "kubeapi-local",
+             "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1", "spec.nodeName": pod["spec"].get("nodeName", "kubeapi-local"),
              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
         if path in m:
             val = m[path]

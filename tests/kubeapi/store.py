@@ -80,6 +80,8 @@ def _builtin_types() -> list[ResourceType]:
     return [
         ResourceType("", ["v1"], "namespaces", "Namespace", False, "namespace", ["ns"], subresources={"status": rw, "finalize": ["update"]}),
         ResourceType("", ["v1"], "pods", "Pod", True, "pod", ["po"], ["all"], subresources={"status": rw, "log": ["get"]}),
+        # Nodes exist only when a test creates them (labels drive topology-aware placement tests).
+        ResourceType("", ["v1"], "nodes", "Node", False, "node", ["no"], subresources={"status": rw}),
         ResourceType("", ["v1"], "configmaps", "ConfigMap", True, "configmap", ["cm"]),
         ResourceType("", ["v1"], "secrets", "Secret", True, "secret"),
         ResourceType("", ["v1"], "services", "Service", True, "service", ["svc"], ["all"], subresources={"status": rw}),

@@ -2,8 +2,9 @@
 
 * Jagged queries (self-attention-like, or long queries over short per-example keys as in the
   personalised FFN): segments grouped into length buckets (common.plan_buckets with cost
-  n · Tq · Tk), one batched matmul pair per bucket. Dense per-example keys are gathered per
-  bucket (they are short).
+  n · Tq · Tk), one batched matmul pair per bucket. With short dense per-example keys (the
+  PFFN) the query tiles are gathered straight into head-major order and every example's keys
+  into tile order, once each, so each bucket is two contiguous bmm calls.
 * Broadcast queries (seed pooling: the same Nq learned queries for every example, long keys):
   the keys are bucketed by length and each tile scores them against the shared queries.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from gem.ops.activations import apply_per_head
-from gem.ops.common import BucketPlan, from_slots, offsets_of, plan_buckets, to_slots
+from gem.ops.common import BucketPlan, SlotLayout, from_slots, offsets_of, plan_buckets, to_slots
 
 
 def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: torch.Tensor | None,
@@ -29,6 +30,8 @@ def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: 
     if total_q == 0:
         return q * 0.0  # keeps the graph: empty input, empty gradient
     plan = plan_buckets(q_offsets, k_offsets) if buckets is None else buckets
+    if dense_kv and window is None:
+        return _short_dense_kv(q, k, v * qk_scale if qk_scale != 1.0 else v, plan, activations)
     # P·c·V = c·(P V): put the scale on whichever is smallest (short dense values: once here).
     scale_v = dense_kv and qk_scale != 1.0
     if scale_v:
@@ -59,6 +62,44 @@ def tiled_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: 
             o = o * qk_scale
         parts.append(o.transpose(1, 2).reshape(n * bk.q_len, H, dh))
     return from_slots(torch.cat(parts) if len(parts) > 1 else parts[0], plan.q_layout)
+
+
+def _head_major_layout(plan: BucketPlan, H: int) -> SlotLayout:
+    """Rows (token, head) of q.view(ΣL·H, dh) -> slots laid out [n, H, Tq] per bucket: the tiles
+    come out of one gather already head-major (no transpose copy either way)."""
+    dst = plan.q_layout.dst
+    dev = dst.device
+    sizes = torch.tensor(plan.q_sizes, device=dev)
+    starts = torch.cumsum(sizes, 0) - sizes
+    tq = torch.tensor([bk.q_len for bk in plan.buckets], device=dev)
+    b = torch.searchsorted(starts, dst, right=True) - 1  # the bucket of every token
+    local, t = dst - starts[b], tq[b]
+    first = H * starts[b] + (local // t) * H * t + local % t  # head 0 of this token
+    heads = torch.arange(H, device=dev)
+    return SlotLayout((first[:, None] + heads[None, :] * t[:, None]).reshape(-1), H * plan.q_layout.num_slots)
+
+
+def _short_dense_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BucketPlan,
+                    activations: tuple[str, ...]) -> torch.Tensor:
+    """Long jagged queries over n short keys per example (the personalised FFN), v pre-scaled.
+
+    One gather puts the query tiles head-major, one gather puts every example's keys and values
+    in tile order; each bucket is then two contiguous batched matmuls [n·H, Tq, dh] x [n·H, dh, Tk]."""
+    total_q, H, dh = q.shape
+    layout = _head_major_layout(plan, H)
+    q_tiles = to_slots(q.reshape(total_q * H, dh), layout, zero_pad=False).split([H * s for s in plan.q_sizes])
+    sizes = [bk.size for bk in plan.buckets]
+    order = plan.examples
+    k_tiles = k.index_select(0, order).permute(0, 2, 3, 1).split(sizes)  # [n, H, dh, Tk]
+    v_tiles = v.index_select(0, order).transpose(1, 2).split(sizes)  # [n, H, Tk, dh]
+    parts = []
+    for bk, qs, kt, vt in zip(plan.buckets, q_tiles, k_tiles, v_tiles):
+        nh = bk.size * H
+        s = torch.bmm(qs.view(nh, bk.q_len, dh), kt.reshape(nh, dh, -1))  # [n·H, Tq, Tk]
+        p = apply_per_head(s.view(bk.size, H, bk.q_len, -1), activations, head_dim=1).view(nh, bk.q_len, -1)
+        parts.append(torch.bmm(p, vt.reshape(nh, -1, dh)).view(nh * bk.q_len, dh))
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return from_slots(out, layout).view(total_q, H, dh)
 
 
 def _broadcast_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: torch.Tensor,

@@ -1,0 +1,602 @@
+"""GEM's prediction quality against the baselines, on a held-out synthetic world and MovieLens-100K.
+
+    python -m benchmarks.quality [--quick | --smoke] [--jobs N] [--out benchmarks/results/quality.json]
+
+Results and how to read them: docs/quality.md (the reported run: `--jobs 4`).
+
+Four studies, all in one process, each model trained by the same loop (below) on the same
+examples in the same order, for the same number of steps, with the same optimizer:
+
+1. **GEM vs baselines** on a world whose seed (`WORLD_SEED` = 20261202) was never used while
+   building the model: GEM `small`, the DLRM-style baseline (gem.baselines.DLRMModel) and the
+   same GEM with padded dense attention (gem.baselines.PaddedKunlunModel). NE per task and
+   surface (tasks and surfaces as gem.eval's report finds them in the data), the Bayes-optimal NE
+   (NE of the world's true probabilities) and the share of the best baseline's gap to Bayes that
+   GEM closes: (best_baseline_ne - gem_ne) / (best_baseline_ne - bayes_ne).
+2. **CompSkip** on vs off: GEM `small` with the same seed, data and steps;
+   `compskip_ne_delta_rel` = |NE(on) - NE(off)| / NE(off) on the headline NE.
+3. **Scaling**: NE against the history length the model reads (a grid of max_seq_len) for a few
+   model widths, on a world with long histories (same seed, longer mean history).
+4. **MovieLens-100K** (gem.data.movielens: rating >= 4 is a click, 5 a conversion, time split):
+   AUC and NE of GEM against both baselines (all three at the `tiny` width in `full`: the
+   budget of a shared 2-core machine).
+
+Sizes per mode are in MODES; `full` is sized to what a shared 2-core machine finished in ~35 min
+(--jobs 4), which is far from convergence: see docs/quality.md before reading the numbers.
+
+The training loop is `gem train`'s, minus DeepSpeed (a world of one): gem.data.ShardedLoader
+(seeded epoch permutations), gem.model.loss.multitask_bce (every task the model has a head for;
+conversion on clicked impressions only), gem.train.optim.build_optimizer (AdamW, linear warmup
+then cosine to 10%), gradient-norm clipping at TrainingSpec.grad_clip, fp32 (`gem train`'s default precision; on this
+CPU, without bf16 matmul units, bf16 autocast made GEM ~10x slower). Evaluation is gem.eval's: collect_predictions over the whole eval split, then
+metrics_from_predictions and build_eval_report. Synthetic training examples are seen once
+(num_train_examples = steps x batch): no repeats, as in production. Every model is evaluated
+after its last step (fixed steps, no best-step selection).
+
+Writes the JSON and two PNGs beside it (`quality.png`: NE by task and surface with Bayes,
+CompSkip and MovieLens; `quality_scaling.png`: the scaling curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gem.api.types import ModelSpec, SyntheticDataSpec, TrainingSpec  # noqa: E402
+from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel  # noqa: E402
+from gem.data import Examples, ShardedLoader  # noqa: E402
+from gem.data.synthetic import SyntheticWorld  # noqa: E402
+from gem.eval.evaluate import collect_predictions, metrics_from_predictions  # noqa: E402
+from gem.eval.report import build_eval_report  # noqa: E402
+from gem.model import GEMModel, config_from_spec, kunlun_config  # noqa: E402
+from gem.model.loss import multitask_bce  # noqa: E402
+from gem.modules import KunlunModel, from_v1_batch  # noqa: E402
+from gem.train.optim import build_optimizer  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+WORLD_SEED = 20261202  # held out: no model or default was tuned on this world
+TRAIN_SEED = 0  # parameter init and data order, identical for every model
+MODELS = ("gem", "dlrm", "padded")
+BASELINES = ("dlrm", "padded")
+
+# Each mode: sizes of every study. `smoke` is for the test (seconds), `quick` for development
+# (minutes), `full` the reported run. Main comparison: GEM `small` (quick/full); smoke uses `tiny`.
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        preset="tiny", world=dict(num_users=2000, num_ads=400, mean_history_len=24.0), eval_examples=1200,
+        steps=12, batch=32, max_seq_len=64, lr=2e-3, warmup=4,
+        scaling=dict(preset="tiny", mean_history_len=32.0, lengths=(8, 32), dims=(16, 32), steps=6, batch=32,
+                     eval_examples=500),
+        movielens=dict(preset="tiny", steps=6, batch=32, max_seq_len=32, eval_examples=800),
+    ),
+    "quick": dict(
+        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=2000,
+        steps=30, batch=32, max_seq_len=128, lr=2e-3, warmup=3,
+        scaling=dict(preset="tiny", mean_history_len=64.0, lengths=(16, 64), dims=(16, 32), steps=20,
+                     batch=32, eval_examples=1000),
+        movielens=dict(preset="tiny", steps=20, batch=64, max_seq_len=64, eval_examples=2000),
+    ),
+    "full": dict(
+        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=4000,
+        steps=160, batch=32, max_seq_len=128, lr=2e-3, warmup=8,
+        scaling=dict(preset="tiny", mean_history_len=192.0, lengths=(16, 64, 256, 1024), dims=(16, 32, 64),
+                     steps=80, batch=32, eval_examples=1500),
+        movielens=dict(preset="tiny", steps=200, batch=64, max_seq_len=64, eval_examples=5000),
+    ),
+}
+
+
+# --------------------------------------------------------------------------- models
+
+
+class OverBatch(nn.Module):
+    """A model that reads GemInputs behind the trainer's Batch interface (as GEMModel does)."""
+
+    def __init__(self, model: nn.Module, max_seq_len: int):
+        super().__init__()
+        self.inner, self.max_seq_len = model, max_seq_len
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        return self.inner(from_v1_batch(batch))
+
+
+def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) -> ModelSpec:
+    return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
+
+
+def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
+    """gem (as `gem train` builds it), gem_compskip_off, dlrm or padded; initialised under `seed`."""
+    cfg = config_from_spec(spec)
+    torch.manual_seed(seed)
+    if kind == "gem":
+        return GEMModel(cfg)
+    if kind == "gem_compskip_off":
+        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
+    if kind == "dlrm":
+        return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
+    if kind == "padded":
+        return OverBatch(PaddedKunlunModel(kunlun_config(cfg)), cfg.max_seq_len)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+# --------------------------------------------------------------------------- train + eval
+
+
+def train_and_evaluate(model: nn.Module, train: Examples, eval_: Examples, *, steps: int, batch: int, lr: float,
+                       warmup: int, max_seq_len: int, seed: int = TRAIN_SEED, bf16: bool = False) -> dict[str, Any]:
+    """Train `steps` steps, then evaluate on the whole eval split: metrics, eval report, timings."""
+    training = TrainingSpec(steps=steps, batch_size=batch, learning_rate=lr, warmup_steps=warmup, seed=seed)
+    optimizer, scheduler = build_optimizer(model, training)
+    loader = ShardedLoader(train, batch_size=batch, max_seq_len=max_seq_len, rank=0, world_size=1, seed=seed)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    model.train()
+    t0 = time.perf_counter()
+    losses = []
+    for _ in range(steps):
+        b = loader.next_batch()
+        with autocast:
+            loss, _ = multitask_bce(model(b), b)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    train_s = time.perf_counter() - t0
+    model.eval()
+
+    def predict(b):
+        with autocast:
+            return model(b)
+
+    t1 = time.perf_counter()
+    preds = collect_predictions(predict, eval_, max_seq_len=max_seq_len, rank=0, world_size=1,
+                                device=torch.device("cpu"))
+    metrics = metrics_from_predictions([preds])
+    report = build_eval_report([preds], eval_, metrics=metrics, step=steps)
+    return {
+        "metrics": metrics, "report": report, "params": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(train_s, 1), "eval_seconds": round(time.perf_counter() - t1, 1),
+        "final_train_loss": float(np.mean(losses[-max(1, steps // 10):])) if losses else None,
+    }
+
+
+def _f(x: Any) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def task_surface_ne(report: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """{"task/surface": {"ne": .., "bayes": .., "auc": .., "n": ..}} from an eval report, plus "task/all"."""
+    out: dict[str, dict[str, float | None]] = {}
+    for task, block in report["tasks"].items():
+        out[f"{task}/all"] = {"ne": _f(block["ne"]), "bayes": _f(block["bayesNe"]), "auc": _f(block["auc"]),
+                              "n": block["n"]}
+        for sid, g in block["bySurface"].items():
+            out[f"{task}/{g.get('name', sid)}"] = {"ne": _f(g["ne"]), "bayes": _f(g.get("bayesNe")),
+                                                  "auc": _f(g.get("auc")), "n": g["n"]}
+    return out
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
+    """(ne map, gap-closed map, beats map) over every task/surface of GEM's report."""
+    per = {k: task_surface_ne(r["report"]) for k, r in runs.items()}
+    ne, gap, beats = {}, {}, {}
+    for key, g in per["gem"].items():
+        row = {m: per[m].get(key, {}).get("ne") for m in MODELS}
+        row["bayes"] = g["bayes"]
+        ne[key] = row
+        base = [row[m] for m in BASELINES if row[m] is not None]
+        if row["gem"] is None or not base:
+            gap[key], beats[key] = None, None
+            continue
+        best = min(base)
+        beats[key] = bool(all(row["gem"] < b for b in base))
+        if row["bayes"] is not None and best - row["bayes"] > 0:
+            gap[key] = (best - row["gem"]) / (best - row["bayes"])
+        else:
+            gap[key] = None
+    return ne, gap, beats
+
+
+# --------------------------------------------------------------------------- studies
+#
+# Every training run is a job: a plain dict (picklable) naming its data, model and budget.
+# `run_job` rebuilds the data from that dict (the world is seeded: every process gets the same
+# examples), so jobs can run serially or in a process pool (--jobs) with identical results.
+
+
+def synthetic_spec(mode: dict[str, Any], *, mean_history_len: float, train_examples: int,
+                   eval_examples: int) -> SyntheticDataSpec:
+    w = mode["world"]
+    return SyntheticDataSpec(seed=WORLD_SEED, num_users=w["num_users"], num_ads=w["num_ads"],
+                             num_train_examples=train_examples, num_eval_examples=eval_examples,
+                             mean_history_len=mean_history_len)
+
+
+_DATA_CACHE: dict[str, tuple[Examples, Examples]] = {}
+
+
+def load_data(data: dict[str, Any]) -> tuple[Examples, Examples]:
+    """(train, eval) of a job's data: a synthetic world spec, or MovieLens-100K."""
+    key = json.dumps(data, sort_keys=True)
+    if key not in _DATA_CACHE:
+        if data["source"] == "synthetic":
+            spec = SyntheticDataSpec(**data["spec"])
+            world = SyntheticWorld(spec)
+            pair = world.sample(spec.num_train_examples, split=0), world.sample(spec.num_eval_examples, split=1)
+        else:
+            from gem.data.movielens import movielens_examples
+            from gem.data.parquet import slice_examples
+
+            train, eval_ = movielens_examples(max_history=data["max_history"])
+            if data["eval_examples"] is not None and len(eval_) > data["eval_examples"]:
+                eval_ = slice_examples(eval_, np.arange(data["eval_examples"]))  # the earliest eval ratings
+            pair = train, eval_
+        _DATA_CACHE.clear()  # one data set at a time: worlds are large
+        _DATA_CACHE[key] = pair
+    return _DATA_CACHE[key]
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(job["threads"])
+    train, eval_ = load_data(job["data"])
+    model = build(job["kind"], model_spec(job["preset"], job["max_seq_len"], job.get("embedding_dim")))
+    run = train_and_evaluate(model, train, eval_, steps=job["steps"], batch=job["batch"], lr=job["lr"],
+                             warmup=job["warmup"], max_seq_len=job["max_seq_len"])
+    run["history_len"] = {"mean": float(train.seq_lengths.mean()), "p90": float(np.quantile(train.seq_lengths, 0.9)),
+                          "max": int(train.seq_lengths.max())}
+    run["examples"] = {"train": len(train), "eval": len(eval_)}
+    return run
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_jobs(jobs: dict[str, dict[str, Any]], workers: int) -> dict[str, dict[str, Any]]:
+    """Every job's run, serially (workers <= 1) or in a spawn-started process pool."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def done(name: str, run: dict[str, Any]) -> None:
+        out[name] = run
+        _log(f"{name}: ne {run['metrics']['ne']:.4f}, train {run['train_seconds']} s, eval {run['eval_seconds']} s "
+             f"({len(out)}/{len(jobs)})")
+
+    if workers <= 1:
+        for name, job in jobs.items():
+            done(name, run_job(job))
+        return out
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        # the most expensive first, so the pool's tail is short (order does not change any result)
+        order = sorted(jobs, key=lambda n: -_cost(jobs[n]))
+        futures = {pool.submit(run_job, jobs[name]): name for name in order}
+        for fut in as_completed(futures):
+            done(futures[fut], fut.result())
+    return {name: out[name] for name in jobs}
+
+
+def _cost(job: dict[str, Any]) -> float:
+    """A rough relative cost of a job: examples x history read x width (DLRM: a tenth)."""
+    spec = job["data"].get("spec", {})
+    hist = min(job["max_seq_len"], 3 * spec.get("mean_history_len", job["max_seq_len"]))
+    width = job.get("embedding_dim") or config_from_spec(model_spec(job["preset"], job["max_seq_len"])).embedding_dim
+    cost = job["steps"] * job["batch"] * hist * width * (1.5 if job["kind"] == "gem_compskip_off" else 1.0)
+    return cost / 10 if job["kind"] == "dlrm" else cost
+
+
+def _summary(run: dict[str, Any]) -> dict[str, Any]:
+    m = run["metrics"]
+    keep = {k: _f(v) for k, v in m.items() if k.split("/")[0] in ("ne", "auc", "bayes_ne", "calibration")
+            or k in ("ne", "loss")}
+    return {"metrics": keep, "params": run["params"], "train_seconds": run["train_seconds"],
+            "eval_seconds": run["eval_seconds"], "final_train_loss": run["final_train_loss"]}
+
+
+def plan_main(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
+    steps, batch = mode["steps"], mode["batch"]
+    spec = synthetic_spec(mode, mean_history_len=mode["world"]["mean_history_len"], train_examples=steps * batch,
+                          eval_examples=mode["eval_examples"])
+    data = {"source": "synthetic", "spec": spec.model_dump(mode="json")}
+    return {f"main/{kind}": dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"],
+                                 steps=steps, batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads)
+            for kind in (*MODELS, "gem_compskip_off")}
+
+
+def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    runs = {k.split("/", 1)[1]: res[k] for k in jobs if k.startswith("main/")}
+    ne, gap, beats = compare({k: runs[k] for k in MODELS})
+    on, off = runs["gem"]["metrics"], runs["gem_compskip_off"]["metrics"]
+    compskip = {
+        "ne_on": on["ne"], "ne_off": off["ne"],
+        "per_task": {k: {"on": _f(on[k]), "off": _f(off[k]),
+                         "delta_rel": _f((on[k] - off[k]) / off[k]) if off[k] else None}
+                     for k in on if k.startswith("ne/") and k in off},
+        "train_seconds": {"on": runs["gem"]["train_seconds"], "off": runs["gem_compskip_off"]["train_seconds"]},
+    }
+    job = jobs["main/gem"]
+    return {
+        "world": job["data"]["spec"],
+        "setup": {"preset": job["preset"], "steps": job["steps"], "batch": job["batch"],
+                  "max_seq_len": job["max_seq_len"], "lr": job["lr"], "warmup_steps": job["warmup"],
+                  "train_examples": runs["gem"]["examples"]["train"], "eval_examples": runs["gem"]["examples"]["eval"],
+                  "history_len": runs["gem"]["history_len"]},
+        "ne": ne, "gap_closed": gap, "gem_beats_baselines": beats,
+        "compskip": compskip,
+        "compskip_ne_delta_rel": abs(on["ne"] - off["ne"]) / off["ne"],
+        "runs": {k: _summary(r) for k, r in runs.items()},
+        "task_surface": {k: task_surface_ne(r["report"]) for k, r in runs.items()},
+    }
+
+
+def plan_scaling(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
+    sc = mode["scaling"]
+    spec = synthetic_spec(mode, mean_history_len=sc["mean_history_len"], train_examples=sc["steps"] * sc["batch"],
+                          eval_examples=sc["eval_examples"])
+    data = {"source": "synthetic", "spec": spec.model_dump(mode="json")}
+    return {f"scaling/d{dim}/L{L}": dict(data=data, kind="gem", preset=sc["preset"], max_seq_len=L, embedding_dim=dim,
+                                         steps=sc["steps"], batch=sc["batch"], lr=mode["lr"],
+                                         warmup=max(1, sc["steps"] // 20), threads=threads)
+            for dim in sc["dims"] for L in sc["lengths"]}
+
+
+def study_scaling(mode: dict[str, Any], jobs: dict[str, dict[str, Any]],
+                  res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    sc = mode["scaling"]
+    grid: list[dict[str, Any]] = []
+    for name, job in jobs.items():
+        if not name.startswith("scaling/"):
+            continue
+        run, m = res[name], res[name]["metrics"]
+        grid.append({"embedding_dim": job["embedding_dim"], "max_seq_len": job["max_seq_len"], "params": run["params"],
+                     "ne": _f(m["ne"]), **{k: _f(v) for k, v in m.items() if k.startswith("ne/")},
+                     "train_seconds": run["train_seconds"]})
+    gains = {}
+    for dim in sc["dims"]:
+        row = sorted((g for g in grid if g["embedding_dim"] == dim), key=lambda g: g["max_seq_len"])
+        short, long = row[0]["ne"], row[-1]["ne"]
+        gains[str(dim)] = (short - long) / short if short else None
+    ordered = [gains[str(d)] for d in sc["dims"]]
+    first = res[next(n for n in jobs if n.startswith("scaling/"))]
+    return {
+        "world": next(j for n, j in jobs.items() if n.startswith("scaling/"))["data"]["spec"],
+        "setup": {"preset": sc["preset"], "steps": sc["steps"], "batch": sc["batch"], "lr": mode["lr"],
+                  "lengths": list(sc["lengths"]), "embedding_dims": list(sc["dims"]),
+                  "train_examples": first["examples"]["train"], "eval_examples": first["examples"]["eval"],
+                  "history_len": first["history_len"]},
+        "grid": grid,
+        "ne_gain_longest_vs_shortest_rel": gains,
+        "longer_histories_help_larger_models_more": (
+            bool(all(b > a for a, b in zip(ordered, ordered[1:]))) if None not in ordered else None),
+    }
+
+
+def plan_movielens(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
+    from gem.data.movielens import find_movielens
+
+    try:
+        find_movielens()
+    except FileNotFoundError:
+        return {}
+    ml = mode["movielens"]
+    data = {"source": "movielens", "max_history": ml["max_seq_len"], "eval_examples": ml["eval_examples"]}
+    return {f"movielens/{kind}": dict(data=data, kind=kind, preset=ml["preset"], max_seq_len=ml["max_seq_len"],
+                                      steps=ml["steps"], batch=ml["batch"], lr=mode["lr"],
+                                      warmup=max(1, ml["steps"] // 20), threads=threads)
+            for kind in MODELS}
+
+
+def study_movielens(mode: dict[str, Any], jobs: dict[str, dict[str, Any]],
+                    res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    names = [n for n in jobs if n.startswith("movielens/")]
+    if not names:
+        from gem.data.movielens import find_movielens
+
+        try:
+            find_movielens()
+        except FileNotFoundError as e:
+            return {"available": False, "reason": str(e)}
+    ml = mode["movielens"]
+    first = res[names[0]]
+    out: dict[str, Any] = {"available": True,
+                           "setup": {"preset": ml["preset"], "steps": ml["steps"], "batch": ml["batch"],
+                                     "max_seq_len": ml["max_seq_len"], "lr": mode["lr"],
+                                     "train_examples": first["examples"]["train"],
+                                     "eval_examples": first["examples"]["eval"],
+                                     "epochs": ml["steps"] * ml["batch"] / first["examples"]["train"]},
+                           "models": {}}
+    for name in names:
+        kind, m = name.split("/", 1)[1], res[name]["metrics"]
+        out["models"][kind] = {"ne_click": _f(m.get("ne/click")), "auc_click": _f(m.get("auc/click")),
+                               "ne_conversion": _f(m.get("ne/conversion")), "auc_conversion": _f(m.get("auc/conversion")),
+                               "ne": _f(m["ne"]), "train_seconds": res[name]["train_seconds"],
+                               "params": res[name]["params"]}
+    g, base = out["models"]["gem"], [out["models"][b] for b in BASELINES]
+    out["gem_beats_baselines"] = {
+        k: (bool(all(g[k] < b[k] for b in base)) if k.startswith("ne") else bool(all(g[k] > b[k] for b in base)))
+        for k in ("ne_click", "auc_click", "ne_conversion", "auc_conversion")
+        if g[k] is not None and all(b[k] is not None for b in base)}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    main = doc["main"]
+    beats = [v for v in main["gem_beats_baselines"].values() if v is not None]
+    gaps = {k: v for k, v in main["gap_closed"].items() if v is not None}
+    worst = min(gaps.values()) if gaps else None
+    return {
+        "gem_beats_both_baselines_everywhere": {"value": f"{sum(beats)}/{len(beats)} task/surface",
+                                                "met": bool(beats) and all(beats)},
+        "gap_closed_min": {"value": worst, "target": ">= 0.5", "met": worst is not None and worst >= 0.5,
+                           "worst": min(gaps, key=gaps.get) if gaps else None},
+        "compskip_ne_delta_rel": {"value": doc["compskip_ne_delta_rel"], "target": "<= 0.001",
+                                  "met": doc["compskip_ne_delta_rel"] <= 0.001},
+    }
+
+
+MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green"}
+
+
+def plot_main(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ne = doc["ne"]
+    tasks = list(dict.fromkeys(k.split("/")[0] for k in ne))
+    ml = doc["movielens"]
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(5.5 * len(tasks) + 4.5, 4.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        keys = [k for k in ne if k.split("/")[0] == task]
+        x = np.arange(len(keys))
+        for i, m in enumerate(MODELS):
+            ax.bar(x + (i - 1) * 0.27, [ne[k][m] if ne[k][m] is not None else np.nan for k in keys], 0.27,
+                   label=m, color=MODEL_COLORS[m])
+        bayes = [ne[k]["bayes"] if ne[k]["bayes"] is not None else np.nan for k in keys]
+        ax.hlines(bayes, x - 0.42, x + 0.42, colors="k", linestyles="dashed", label="Bayes-optimal")
+        lo = np.nanmin(bayes + [ne[k][m] or np.nan for k in keys for m in MODELS])
+        ax.set_ylim(max(0.0, lo - 0.05), None)
+        ax.set_xticks(x, [k.split("/", 1)[1] for k in keys], rotation=20)
+        ax.set_title(f"{task}: NE by surface (lower is better)")
+        ax.legend(fontsize=8)
+    ax = axes[0, -1]
+    if ml.get("available"):
+        cols = ("auc_click", "auc_conversion")
+        x = np.arange(len(cols))
+        for i, m in enumerate(MODELS):
+            ax.bar(x + (i - 1) * 0.27, [ml["models"][m][c] or np.nan for c in cols], 0.27, label=m,
+                   color=MODEL_COLORS[m])
+        ax.set_xticks(x, ["AUC click\n(rating>=4)", "AUC conversion\n(5 | >=4)"])
+        ax.set_ylim(0.5, None)
+        ax.set_title("MovieLens-100K (higher is better)")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "MovieLens-100K not available", ha="center")
+    fig.suptitle(f"GEM vs baselines, held-out world seed {WORLD_SEED}; CompSkip on vs off: "
+                 f"{100 * doc['compskip_ne_delta_rel']:.2f}% relative NE")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_scaling(scaling: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = scaling["grid"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    dims = scaling["setup"]["embedding_dims"]
+    for dim in dims:
+        row = sorted((g for g in grid if g["embedding_dim"] == dim), key=lambda g: g["max_seq_len"])
+        axes[0].plot([g["max_seq_len"] for g in row], [g["ne"] for g in row], marker="o",
+                     label=f"d={dim} ({row[0]['params'] / 1e6:.2f} M params)")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("history length read (max_seq_len)")
+    axes[0].set_ylabel("NE (mean of click, conversion)")
+    axes[0].set_title("NE vs sequence length")
+    axes[0].legend(fontsize=8)
+    for L in scaling["setup"]["lengths"]:
+        row = sorted((g for g in grid if g["max_seq_len"] == L), key=lambda g: g["params"])
+        axes[1].plot([g["params"] for g in row], [g["ne"] for g in row], marker="o", label=f"L={L}")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("parameters")
+    axes[1].set_title("NE vs model size")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("GEM scaling (tiny preset, widths and history lengths)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="a development run (minutes), smaller everything")
+    g.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
+    p.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 when the machine is busier than its cores, else all cores:"
+                        " on a shared machine a 2-thread op waits a scheduler slice for its second thread)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once, in a process pool (results are identical to --jobs 1)")
+    p.add_argument("--skip", nargs="*", default=[], choices=("scaling", "movielens"),
+                   help="leave a study out (recorded as skipped)")
+    args = p.parse_args(argv)
+    name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = MODES[name]
+    t0 = time.time()
+    load_before = os.getloadavg()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(args.threads or (1 if load_before[0] > cores - 0.5 else cores))
+    threads = torch.get_num_threads()
+    _log(f"mode {name}, {args.jobs} worker(s) of {threads} thread(s), load {load_before[0]:.1f}")
+    jobs = plan_main(mode, threads)
+    if "scaling" not in args.skip:
+        jobs.update(plan_scaling(mode, threads))
+    if "movielens" not in args.skip:
+        jobs.update(plan_movielens(mode, threads))
+    res = run_jobs(jobs, args.jobs)
+    main_study = study_main(mode, jobs, res)
+    scaling = {"skipped": True} if "scaling" in args.skip else study_scaling(mode, jobs, res)
+    movielens = ({"available": False, "reason": "skipped"} if "movielens" in args.skip
+                 else study_movielens(mode, jobs, res))
+    command = "python -m benchmarks.quality" + {"smoke": " --smoke", "quick": " --quick", "full": ""}[name]
+    doc: dict[str, Any] = {
+        "command": command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+        + (f" --skip {' '.join(args.skip)}" if args.skip else ""),
+        "mode": name,
+        "world_seed": WORLD_SEED,
+        "train_seed": TRAIN_SEED,
+        "ne": main_study["ne"],
+        "gap_closed": main_study["gap_closed"],
+        "compskip_ne_delta_rel": main_study["compskip_ne_delta_rel"],
+        "main": main_study,
+        "scaling": scaling,
+        "movielens": movielens,
+        "precision": "fp32",
+        "machine": {"cpu_threads": torch.get_num_threads(), "workers": args.jobs, "torch": torch.__version__,
+                    "processor": platform.processor() or platform.machine(),
+                    "load_average_before": [round(x, 2) for x in load_before],
+                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+    }
+    doc["targets"] = targets(doc)
+    doc["wall_seconds"] = round(time.time() - t0, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False, default=float) + "\n")
+    try:
+        plot_main(doc, args.out.with_suffix(".png"))
+        if not scaling.get("skipped"):
+            plot_scaling(scaling, args.out.with_name(args.out.stem + "_scaling.png"))
+    except ImportError:  # matplotlib is optional: the JSON alone
+        pass
+    print(json.dumps({"ne": doc["ne"], "gap_closed": doc["gap_closed"], "targets": doc["targets"]}, indent=1))
+    return 0 if all(t["met"] for t in doc["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`python -m benchmarks.quality --smoke` (tiny models, a few steps) writes a well-formed quality.json.
+
+Checked against sources independent of the benchmark's own bookkeeping: the task/surface keys
+against the tasks the model has heads for and the surfaces the held-out world's eval split holds;
+every NE finite and no better than the Bayes-optimal NE of the world's true probabilities; the
+gap-closed and CompSkip figures recomputed from the NEs they are derived from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from benchmarks import quality
+from gem.api.types import ModelSpec, SyntheticDataSpec
+from gem.data.synthetic import SyntheticWorld
+from gem.eval.evaluate import FUNNEL, surface_name
+from gem.model import config_from_spec
+
+
+def _finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def test_quality_benchmark_smoke(tmp_path):
+    out = tmp_path / "quality.json"
+    quality.main(["--smoke", "--out", str(out)])  # exit status: whether the issue's bars are met (not here)
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "smoke" and doc["world_seed"] == quality.WORLD_SEED
+
+    # Keys: every task the model predicts x (all + every surface of the eval split).
+    mode = quality.MODES["smoke"]
+    spec = SyntheticDataSpec(**doc["main"]["world"])
+    assert spec.seed == quality.WORLD_SEED
+    eval_ = SyntheticWorld(spec).sample(mode["eval_examples"], split=1)
+    tasks = [t for t in FUNNEL if t in config_from_spec(ModelSpec(preset=mode["preset"])).tasks]
+    surfaces = [surface_name(int(s)) for s in np.unique(eval_.surface)]
+    assert len(surfaces) >= 2
+    expected = {f"{t}/{s}" for t in tasks for s in ["all", *surfaces]}
+    assert set(doc["ne"]) == expected
+
+    for key, row in doc["ne"].items():
+        assert set(row) == {"gem", "dlrm", "padded", "bayes"}, key
+        assert all(_finite(v) for v in row.values()), (key, row)
+        for model in ("gem", "dlrm", "padded"):
+            assert row["bayes"] <= row[model], (key, row)
+        best = min(row["dlrm"], row["padded"])
+        assert math.isclose(doc["gap_closed"][key], (best - row["gem"]) / (best - row["bayes"]), rel_tol=1e-9)
+
+    on, off = doc["main"]["compskip"]["ne_on"], doc["main"]["compskip"]["ne_off"]
+    assert on == doc["main"]["runs"]["gem"]["metrics"]["ne"]
+    assert off == doc["main"]["runs"]["gem_compskip_off"]["metrics"]["ne"]
+    assert math.isclose(doc["compskip_ne_delta_rel"], abs(on - off) / off, rel_tol=1e-12)
+
+    sc = doc["scaling"]
+    assert len(sc["grid"]) == len(mode["scaling"]["lengths"]) * len(mode["scaling"]["dims"])
+    assert all(_finite(g["ne"]) for g in sc["grid"])
+    assert {(g["embedding_dim"], g["max_seq_len"]) for g in sc["grid"]} == {
+        (d, L) for d in mode["scaling"]["dims"] for L in mode["scaling"]["lengths"]}
+    # a larger width has more parameters: the size axis is real
+    params = {g["embedding_dim"]: g["params"] for g in sc["grid"]}
+    assert sorted(params, key=params.get) == sorted(params)
+
+    ml = doc["movielens"]
+    try:
+        from gem.data.movielens import find_movielens
+
+        find_movielens()
+        available = True
+    except FileNotFoundError:
+        available = False
+    assert ml["available"] is available
+    if available:
+        assert set(ml["models"]) == {"gem", "dlrm", "padded"}
+        for row in ml["models"].values():
+            assert 0.0 < row["auc_click"] < 1.0 and _finite(row["ne_click"]) and _finite(row["ne"])
+
+    assert set(doc["targets"]) == {"gem_beats_both_baselines_everywhere", "gap_closed_min", "compskip_ne_delta_rel"}
+    assert all(isinstance(t["met"], bool) for t in doc["targets"].values())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert out.with_name("quality_scaling.png").stat().st_size > 0
