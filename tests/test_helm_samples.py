@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ def kube_valid(doc: dict[str, Any]) -> None:
 
 
 def test_the_samples_are_there() -> None:
-    assert sorted(p.name for p in SAMPLES.glob("*.yaml")) == ["gemtraining.yaml", "loopfmdistill.yaml", "pvc-gem-checkpoints.yaml"]
+    assert sorted(p.name for p in SAMPLES.glob("*.yaml")) == ["gemtraining-gpu.yaml", "gemtraining.yaml", "loopfmdistill.yaml",
+                                                                 "pvc-gem-checkpoints.yaml"]
 
 
 def test_checkpoint_claim_is_read_write_many() -> None:
@@ -52,7 +54,7 @@ def test_checkpoint_claim_is_read_write_many() -> None:
     assert "namespace" not in pvc["metadata"], "samples go to the namespace of `kubectl -n`"
 
 
-@pytest.mark.parametrize("name", ["gemtraining.yaml", "loopfmdistill.yaml"])
+@pytest.mark.parametrize("name", ["gemtraining.yaml", "gemtraining-gpu.yaml", "loopfmdistill.yaml"])
 def test_job_samples_are_valid(name: str) -> None:
     doc = load(name)
     obj = parse_object(doc)  # the operator's own validation
@@ -68,7 +70,7 @@ def test_distill_sample_learns_from_the_training_sample() -> None:
     assert distill.spec.teacher.gem_training == training.metadata.name
 
 
-@pytest.mark.parametrize("name", ["gemtraining.yaml", "loopfmdistill.yaml"])
+@pytest.mark.parametrize("name", ["gemtraining.yaml", "gemtraining-gpu.yaml", "loopfmdistill.yaml"])
 def test_samples_render_to_valid_pods(name: str) -> None:
     doc = load(name)
     doc["metadata"].update(namespace="default", uid="00000000-0000-0000-0000-000000000001", generation=1)
@@ -84,3 +86,31 @@ def test_samples_render_to_valid_pods(name: str) -> None:
         kube_valid(pod)
         claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
         assert claims == {"gem-checkpoints"}
+
+
+def test_gpu_sample_is_planned_and_placed() -> None:
+    """The GPU sample through the operator's planner: a 5D plan with a reason, Kueue placement on
+    both templates, and a PyTorchJob that still validates against the official CRD."""
+    import logging
+
+    from gem_operator import parallel
+
+    doc = load("gemtraining-gpu.yaml")
+    doc["metadata"].update(namespace="default", uid="00000000-0000-0000-0000-000000000002", generation=1)
+    obj = parse_object(doc)
+    defaults = render.PlatformDefaults()
+    # nodesPerDomain sizes every level, so the planner reads no Node objects
+    placement, job = parallel.plan("GEMTraining", obj, defaults, logging.getLogger("test"))
+    assert job is not None and job.plan.world_size == 32 and job.reason
+    rendered = render.render_pytorchjob(obj, defaults=defaults, placement=placement)
+    official = ROOT.parent / "shared/reference/kubeflow.org_pytorchjobs.yaml"
+    if not official.exists():  # a checkout without ../shared: the copy the API test server serves
+        official = ROOT / "tests/kubeapi/crds/kubeflow.org_pytorchjobs.yaml"
+    crd = yaml.safe_load(official.read_text())
+    jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]).validate(rendered)
+    for replica in rendered["spec"]["pytorchReplicaSpecs"].values():
+        annotations = replica["template"]["metadata"].get("annotations", {})
+        assert annotations.get("kueue.x-k8s.io/podset-slice-required-topology") == "nvidia.com/gpu.clique"
+        assert annotations.get("kueue.x-k8s.io/podset-slice-size") == "2"
+        env = {e["name"]: e.get("value") for e in replica["template"]["spec"]["containers"][0]["env"]}
+        assert json.loads(env["GEM_TOPOLOGY"])["placement"] == "kueue"

@@ -89,13 +89,29 @@ def test_kueue_placement_measures_the_node_pool_and_annotates_both_templates(clu
     assert env["levels"] == [BLOCK, ZONE]
 
     plan = status["parallelPlan"]
-    assert (plan["dpReplicate"], plan["dpShard"], plan["cp"], plan["tp"], plan["zeroStage"]) == (2, 2, 1, 1, 2)
-    assert plan["chosen"] == "auto" and plan["groupLevels"] == {"dp_replicate": "zone", "dp_shard_mod_ep": "block"}
+    # the tiny preset's 2 Wukong experts, fp32 at ZeRO-2: the automatic plan splits them over each block
+    degrees = (plan["dpReplicate"], plan["dpShard"], plan["ep"], plan["cp"], plan["tp"], plan["zeroStage"])
+    assert degrees == (2, 2, 2, 1, 1, 2)
+    assert plan["chosen"] == "auto" and plan["groupLevels"] == {"dp_replicate": "zone", "ep": "block"}
+    assert "ep=2: 2 dense experts, 1 per rank, each expert-parallel group inside one block" in plan["reason"]
     assert "dp_shard=2: ZeRO-2 shards over every data rank of one block" in plan["reason"]
     assert plan == {k: v for k, v in env["plan"].items() if k != "worldSize"} | {
         "chosen": env["chosen"], "reason": env["reason"], "groupLevels": env["groupLevels"]}
     log = (operator.log).read_text()
     assert "parallel plan dp_replicate=2 dp_shard=2" in log and "parallel reason tp=1" in log
+
+
+def test_auto_plan_leaves_experts_whole_where_the_trainer_cannot_shard_them(cluster, operator, api):
+    add_nodes(cluster, {"b0": ["n0", "n1"], "b1": ["n2", "n3"]})
+    create(api, parallel_training("zero3", zeroStage=3))
+    create(api, {**parallel_training("bf16"), "spec": {**parallel_training("bf16")["spec"],
+                                                       "training": {"precision": "bf16"}}})
+    for name, why in (("zero3", "ep=1: ZeRO-3 partitions every parameter, expert shards cannot stay outside"),
+                      ("bf16", "ep=1: precision bf16: expert shards would train outside DeepSpeed")):
+        plan = wait_phase(cluster, "GEMTraining", name, "Created")["parallelPlan"]
+        assert plan["ep"] == 1 and why in plan["reason"], plan["reason"]
+        assert "sparse_shard=1: embedding tables are replicated (row sharding runs on the DeepSpeed path only " \
+               "when given in spec.parallelism.plan)" in plan["reason"]
 
 
 def test_affinity_placement_without_a_queue_and_explicit_degrees(cluster, operator, api):

@@ -161,6 +161,58 @@ def test_auto_plan_small_model_is_plain_hsdp():
     assert "no projection is wide enough" in reason and "no dense expert ensemble" in reason
 
 
+def test_auto_plan_keeps_attention_heads_whole():
+    # 8192 columns would split 4 ways, but 2 heads only split 2 ways: tp must divide the heads
+    plan, reason = auto_plan(1024, sim(), ModelShapeHints(hidden_dim=8192, hidden_units=2))
+    assert plan.tp == 2 and "the widest projection tp can split (8192, 2 heads) splits into 2 shards" in reason
+    plan, _ = auto_plan(1024, sim(), ModelShapeHints(hidden_dim=8192, hidden_units=8))
+    assert plan.tp == 4
+
+
+def test_deepspeed_auto_plan_chooses_ep_only_where_the_job_runs_it():
+    """The DeepSpeed path (trainer and operator, job.choose_plan) picks ep at ZeRO-1/2 in fp32; otherwise
+    ep stays 1 and the reason says why; sparse_shard stays explicit-only."""
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import build_topology, plan_job
+    from gem.parallel.plan import DEEPSPEED_DIMS
+
+    hints = ModelShapeHints(dense_params=10**8, num_experts=8, expert_params=10**7)
+
+    def job(zero_stage, precision="fp32"):
+        par = ParallelismSpec(num_nodes=8, procs_per_node=4, zero_stage=zero_stage,
+                              topology={"levels": [BLOCK], "nodesPerDomain": {BLOCK: 4}})
+        return plan_job(par, TrainingSpec(precision=precision), topology=build_topology(par, NodePool()),
+                        mode="kueue", hints=hints, allowed=DEEPSPEED_DIMS)
+
+    ok = job(2)
+    # 8 experts, 4 GPUs per node: ep=4 inside the node (the rule prefers the node over the block)
+    assert (ok.plan.ep, ok.plan.dp_shard, ok.plan.dp_replicate, ok.plan.sparse_shard) == (4, 16, 2, 1)
+    assert "ep=4: 8 dense experts, 2 per rank, each expert-parallel group inside one node" in ok.reason
+    assert ok.plan.group_levels(ok.topology)["ep"] == "node"
+    assert "row sharding runs on the DeepSpeed path only when given in spec.parallelism.plan" in ok.reason
+    assert job(1).plan.ep == 4
+    for bad, why in ((job(3), "ep=1: ZeRO-3 partitions every parameter, expert shards cannot stay outside"),
+                     (job(0), "ep=1: ZeRO-0 all-reduces every module gradient"),
+                     (job(2, "bf16"), "ep=1: precision bf16: expert shards would train outside DeepSpeed without "
+                                      "fp32 master weights")):
+        assert bad.plan.ep == 1 and why in bad.reason, bad.reason
+    # the experts must split evenly: 3 experts never give ep=2 or 4
+    odd = plan_job(ParallelismSpec(num_nodes=8, procs_per_node=4, zero_stage=2), TrainingSpec(),
+                   topology=Topology.build(procs_per_node=4, num_nodes=8), mode="none",
+                   hints=ModelShapeHints(num_experts=3), allowed=DEEPSPEED_DIMS)
+    assert odd.plan.ep == 1 and "ep=1: the experts cannot be split inside a block" in odd.reason
+
+
+def test_spec_hints_read_the_model_shape_from_the_preset():
+    from gem.api.types import GEMTrainingSpec
+    from gem.parallel.job import spec_hints
+
+    spec = GEMTrainingSpec.model_validate({"model": {"preset": "large", "maxSeqLen": 20000}})
+    hints = spec_hints(spec)
+    # large: 8 Wukong experts; the click tier (2d = 1024 wide, 8 heads) is the widest block attention
+    assert (hints.num_experts, hints.hidden_dim, hints.hidden_units, hints.max_seq_len) == (8, 1024, 8, 20000)
+
+
 def test_auto_plan_without_hierarchy_and_single_node():
     flat = Topology.build(procs_per_node=8, num_nodes=4)  # no labels: the job is one domain
     plan, _ = auto_plan(32, flat, ModelShapeHints(num_experts=2))
@@ -196,7 +248,7 @@ def test_plan_for_job_reads_the_operator_topology_and_explicit_degrees():
     job = plan_for_job(par, TrainingSpec(), world_size=512, procs_per_node=8, hints=hints,
                        allowed=frozenset({"dp_replicate", "dp_shard", "cp", "tp"}), env=env)
     assert (job.plan.dp_replicate, job.plan.dp_shard, job.plan.ep, job.plan.sparse_shard) == (2, 256, 1, 1)
-    assert "expert parallelism is not available here" in job.reason
+    assert "ep=1: ZeRO-3 partitions every parameter, expert shards cannot stay outside" in job.reason
     rep = job.report()
     assert rep["dpShard"] == 256 and rep["placement"] == "kueue" and rep["groupLevels"]["dp_shard_mod_ep"] == "block"
 

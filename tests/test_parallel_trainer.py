@@ -63,12 +63,13 @@ def test_gem_train_with_context_parallel_reports_its_plan(tmp_path):
                           env=env, capture_output=True, text=True, timeout=420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "parallel plan dp_replicate=1 dp_shard=2 ep=1 cp=2 tp=1 sparse_shard=1 zero_stage=2 chosen=spec" in out
+    # ep chosen around the given degrees: the tiny preset's 2 experts, fp32 at ZeRO-2
+    assert "parallel plan dp_replicate=1 dp_shard=2 ep=2 cp=2 tp=1 sparse_shard=1 zero_stage=2 chosen=spec" in out
     assert "parallel reason tp=1: " in out and "cp=2: given in spec.parallelism.plan" in out
     report = json.loads((tmp_path / "report.json").read_text())
     plan = report["parallelPlan"]
     assert (plan["dpShard"], plan["cp"], plan["zeroStage"], plan["worldSize"]) == (2, 2, 2, 4)
-    assert plan["groupLevels"] == {"dp_shard_mod_ep": "node", "cp": "node"} and plan["chosen"] == "spec"
+    assert plan["groupLevels"] == {"ep": "node", "cp": "node"} and plan["chosen"] == "spec"
     assert "dp_shard=2: given in spec.parallelism.plan" in plan["reason"]
     assert report["step"] == 4 and report["metrics"]["num_examples"] == NUM_EVAL  # no duplicates from cp peers
     assert len(json.dumps(report)) < 4096  # fits a termination message
@@ -126,7 +127,8 @@ def test_gem_train_with_expert_and_embedding_shards_matches_the_dense_run_and_re
     from gem.train import checkpoint
 
     shard_plan = {"dpShard": 2, "ep": 2, "sparseShard": 2}
-    runs = {"dense": _shard_manifest(tmp_path, "dense", {"dpShard": 2}),
+    # ep=1 given: fp32 at ZeRO-2 with experts, the automatic plan would pick ep=2 itself
+    runs = {"dense": _shard_manifest(tmp_path, "dense", {"dpShard": 2, "ep": 1}),
             "shards": _shard_manifest(tmp_path, "shards", shard_plan),
             "killed": _shard_manifest(tmp_path, "killed", shard_plan)}
     procs = {name: _launch(cfg, tmp_path / f"{name}.json", **({"GEM_FAULT_AT_STEP": "4"} if name == "killed" else {}))

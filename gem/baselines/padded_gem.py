@@ -31,7 +31,7 @@ class PaddedAttentionLayer(BlockAttentionLayer):
     """S' = S + W_o · softmax-attention over the whole padded history (no blocks)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tb: TierBatch) -> torch.Tensor:
-        H, dh = self.tier.num_heads, self.tier.head_dim  # q, k arrive rotated (BlockAttentionLayer.qkv)
+        H, dh = q.shape[1], self.tier.head_dim  # q, k arrive rotated (BlockAttentionLayer.qkv); tp: local heads
         rows, valid, T = pad_rows(tb.offsets)
         B = rows.shape[0]
         qp, kp, vp = (with_zero_row(x).index_select(0, rows.reshape(-1)).view(B, T, H, dh).transpose(1, 2)

@@ -25,9 +25,14 @@ class BlockAttentionLayer(JaggedModule):
         self.w_qkv = nn.Linear(tier.dim, 3 * tier.dim, bias=False)
         self.w_o = nn.Linear(tier.dim, tier.dim, bias=False)
 
+    @property
+    def local_heads(self) -> int:
+        """Heads this rank computes: all of them, or num_heads/tp once tensor parallelism has split w_qkv by heads."""
+        return self.w_qkv.weight.shape[0] // (3 * self.tier.head_dim)
+
     def qkv(self, tb: TierBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections, q and k rotated by time (in one pass over both): [ΣL, H, dh] each."""
-        H, dh = self.tier.num_heads, self.tier.head_dim
+        H, dh = self.local_heads, self.tier.head_dim
         qkv = self.w_qkv(self.norm(tb.values)).view(-1, 3, H, dh)  # [ΣL, 3, H, dh]
         qk, v = qkv.split([2, 1], dim=1)  # split, not slicing: its backward is one cat, no zero-filled copies
         cos_sin = tb.rotary(dh, qk.dtype) if self.kernel == Kernel.TILED else None
@@ -45,7 +50,7 @@ class BlockAttentionLayer(JaggedModule):
     def forward(self, tb: TierBatch) -> torch.Tensor:
         q, k, v = self.qkv(tb)
         o = self.attend(q, k, v, tb)  # [ΣL, H, dh]
-        return tb.values + self.w_o(o.reshape(-1, self.tier.dim))
+        return tb.values + self.w_o(o.flatten(1))  # [ΣL, H·dh]: all heads, or this tp rank's
 
     def attention_flops(self, lengths: torch.Tensor) -> float:
         t = self.tier

@@ -165,6 +165,25 @@ class KunlunModel(JaggedModule):
         h = torch.cat([x, self.final_weight_gen(x), s_sum.to(x.dtype)], dim=1)  # [B, N_ns + n_sum + Σ(n_out+K), d]
         return self.heads(self.head_norm(h).flatten(1), inputs.surface)
 
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """The layers tensor parallelism splits at degree tp (parallelize reads this; gem/parallel/tensor_parallel.py).
+
+        Block attention whose heads divide by tp: w_qkv split by heads in each of q, k, v, w_o by the
+        same heads' input columns (Megatron's attention split: one all-reduce per layer, heads stay
+        whole). Per-token FFNs (seq_ffn=token_ffn) whose width divides by tp: w1 colwise, w2 rowwise.
+        Nothing else splits cleanly: PFFN generates its weights per example, the summaries and the
+        head input feed gates and einsums over the full width.
+        """
+        from gem.parallel.tensor_parallel import COLWISE, QKV_COLWISE, ROWWISE
+
+        plan: dict[str, str] = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, BlockAttentionLayer) and mod.tier.num_heads % tp == 0:
+                plan[f"{name}.w_qkv"], plan[f"{name}.w_o"] = QKV_COLWISE, ROWWISE
+            elif isinstance(mod, TokenFFN) and mod.hidden % tp == 0:
+                plan[f"{name}.w1"], plan[f"{name}.w2"] = COLWISE, ROWWISE
+        return plan
+
     def loss(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return multitask_loss(self(inputs), inputs.labels, self.cfg.tasks, inputs.weight)
 

@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from gem.parallel.placement import PlacementMode, guaranteed_topology
-from gem.parallel.plan import DIMS, GIVEN, ModelShapeHints, ParallelPlan, auto_plan, check_deepspeed_plan
+from gem.parallel.plan import (
+    DEEPSPEED_DIMS,
+    DIMS,
+    GIVEN,
+    ModelShapeHints,
+    ParallelPlan,
+    auto_plan,
+    check_deepspeed_plan,
+    deepspeed_auto_dims,
+)
 from gem.parallel.topology import NodePool, Topology
 
 ENV_TOPOLOGY = "GEM_TOPOLOGY"
@@ -112,10 +121,13 @@ def choose_plan(parallelism, training, topology: Topology, *, hints: ModelShapeH
                 allowed: frozenset[str] = DIMS) -> tuple[ParallelPlan, str, str, list[str]]:
     """(plan, reason, chosen, notes) for `topology`: the spec's degrees kept, the rest chosen. Raises PlanError."""
     fixed, source, notes = explicit_degrees(parallelism, training)
+    why_not: dict[str, str] = {}
+    if allowed == DEEPSPEED_DIMS:  # the DeepSpeed path: ep as well when this job's stage and precision run it
+        allowed, why_not = deepspeed_auto_dims(parallelism.zero_stage, getattr(training, "precision", "fp32"))
     if "sparse_shard" not in allowed and fixed and "sparse_shard" not in fixed:
         fixed["sparse_shard"] = 1  # unsharded tables where the path cannot shard them
     plan, reason = auto_plan(topology.world_size, topology, hints, zero_stage=parallelism.zero_stage,
-                             allowed=allowed, fixed=fixed, given=source or GIVEN)
+                             allowed=allowed, fixed=fixed, given=source or GIVEN, why_not=why_not)
     if allowed != DIMS:
         check_deepspeed_plan(plan)
     return plan, reason, ("spec" if fixed else "auto"), notes
@@ -194,9 +206,28 @@ def plan_for_job(parallelism, training, *, world_size: int, procs_per_node: int,
 def spec_hints(spec) -> ModelShapeHints:
     """What the operator knows of the model's shape from the spec alone (no torch, no model).
 
-    Only the history length: the presets' longest history (16384) never needs cp, so an explicit
-    spec.model.maxSeqLen is the one input that can; the parameter count is unknown, so the ZeRO shard
-    group is one block's data ranks (auto_plan's default) whatever the model's size.
+    From the preset and the spec's overrides (gem.model.config, torch-free): the history length (an
+    explicit spec.model.maxSeqLen is the one input that can need cp), the dense experts (ep), and the
+    widest layer tensor parallelism splits with its heads (KunlunModel.tp_plan: block attention,
+    per-token FFNs), so the operator's tp and ep choices match what the trainer's model would give.
+    The parameter count is unknown, so the ZeRO shard group is one block's data ranks (auto_plan's
+    default) whatever the model's size.
     """
+    from gem.model.config import config_from_spec, kunlun_config
+
     model = getattr(spec, "model", None)
-    return ModelShapeHints(max_seq_len=int(getattr(model, "max_seq_len", None) or 0))
+    max_seq_len = int(getattr(model, "max_seq_len", None) or 0)
+    if model is None:
+        return ModelShapeHints(max_seq_len=max_seq_len)
+    try:
+        cfg = kunlun_config(config_from_spec(model))
+    except ValueError:  # an impossible model is reported where it is built, not as a plan error
+        return ModelShapeHints(max_seq_len=max_seq_len)
+    runs = [cfg.layer_runs(i) for i in range(cfg.num_layers)]
+    widths: list[tuple[int, int]] = []  # (width, heads or 0) of each layer kind tp splits
+    if any(local for _, local in runs):
+        widths += [(t.dim, t.num_heads) for t in cfg.tiers]
+    if cfg.seq_ffn == "token_ffn" and any(glob for glob, _ in runs):
+        widths += [(cfg.token_ffn_mult * t.dim, 0) for t in cfg.tiers]
+    hidden, units = max(widths, default=(0, 0))
+    return ModelShapeHints(max_seq_len=max_seq_len, num_experts=cfg.num_experts, hidden_dim=hidden, hidden_units=units)

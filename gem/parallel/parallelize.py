@@ -6,7 +6,8 @@
     optimizer.step()
 
 Fixed order:
-  1. tensor parallel: MLP-shaped modules (fc1/fc2 Linear pairs, or `tp_plan`) -> column/row shards
+  1. tensor parallel: the `tp_plan` argument, else the model's `tp_plan(tp)` method (Kunlun: block
+     attention heads and per-token FFNs), else MLP-shaped modules (fc1/fc2 Linear pairs) -> column/row shards
   2. expert parallel: dense expert ensembles (experts + expert_combine) -> E/ep experts per rank
   3. sparse: nn.Embedding tables with >= sparse_min_rows rows -> row-wise shards over the sparse group
   4. context parallel: the model's forward runs each cp rank on a token-balanced sub-batch
@@ -34,7 +35,7 @@ from gem.parallel.expert_parallel import GRAD_GROUP_ATTR, apply_expert_parallel
 from gem.parallel.mesh import ParallelMesh
 from gem.parallel.plan import ModelShapeHints, ParallelPlan
 from gem.parallel.sharded_embedding import apply_sparse_sharding
-from gem.parallel.tensor_parallel import apply_tensor_parallel, default_tp_plan
+from gem.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for, tp_split_shape
 
 log = logging.getLogger("gem.parallel")
 
@@ -65,9 +66,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, *,
     applied = Applied()
     if plan.tp_enabled:
         applied.tensor_parallel = apply_tensor_parallel(model, mesh.get_group("tp"),
-                                                        tp_plan if tp_plan is not None else default_tp_plan(model, plan.tp))
+                                                        tp_plan if tp_plan is not None else tp_plan_for(model, plan.tp))
         if not applied.tensor_parallel:
-            applied.warnings.append(f"tp={plan.tp} has no effect: no MLP (fc1/fc2 Linear pair) divisible by {plan.tp}")
+            applied.warnings.append(f"tp={plan.tp} has no effect: no layer of the model's tp plan (or MLP: fc1/fc2 "
+                                    f"Linear pair) divisible by {plan.tp}")
     if plan.ep_enabled:
         applied.expert_parallel = apply_expert_parallel(model, mesh.get_group("ep"))
         if not applied.expert_parallel:
@@ -170,7 +172,7 @@ def full_state_dict(model: nn.Module, mesh: ParallelMesh | None = None, *, grads
         for name, p in mod.named_parameters(recurse=False):
             t = value(p)
             if isinstance(mod, ColumnParallelLinear):
-                t = torch.cat(_gather_objects(t, mod.group), dim=0)
+                t = mod.unshard(_gather_objects(t, mod.group))
             elif isinstance(mod, RowParallelLinear) and name == "weight":
                 t = torch.cat(_gather_objects(t, mod.group), dim=1)
             elif isinstance(mod, RowShardedEmbedding) or getattr(p, STACKED_ATTR, False):
@@ -193,7 +195,7 @@ def model_shape_hints(model: nn.Module, *, max_seq_len: int = 0, sparse_min_rows
     """What auto_plan needs, read off a single-device model (before parallelize)."""
     from gem.parallel.expert_parallel import is_expert_ensemble, is_stacked_experts
 
-    sparse = experts = expert_params = hidden = 0
+    sparse = experts = expert_params = 0
     seen: set[int] = set()
     for mod in model.modules():
         if is_stacked_experts(mod) or is_expert_ensemble(mod):
@@ -205,12 +207,10 @@ def model_shape_hints(model: nn.Module, *, max_seq_len: int = 0, sparse_min_rows
         elif isinstance(mod, nn.Embedding) and mod.num_embeddings >= sparse_min_rows:
             sparse += mod.weight.numel()
             seen.add(id(mod.weight))
-        fc1 = getattr(mod, "fc1", None)
-        if isinstance(fc1, nn.Linear):
-            hidden = max(hidden, fc1.out_features)
+    hidden, units = tp_split_shape(model)  # what parallelize's tp would split, not just any wide layer
     dense = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     kwargs = {"gpu_memory_bytes": gpu_memory_bytes} if gpu_memory_bytes else {}
     if not kwargs and torch.cuda.is_available():
         kwargs["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
-    return ModelShapeHints(dense_params=dense, hidden_dim=hidden, num_experts=experts, expert_params=expert_params,
-                           max_seq_len=max_seq_len, sparse_params=sparse, **kwargs)
+    return ModelShapeHints(dense_params=dense, hidden_dim=hidden, hidden_units=units, num_experts=experts,
+                           expert_params=expert_params, max_seq_len=max_seq_len, sparse_params=sparse, **kwargs)

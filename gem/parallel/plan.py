@@ -300,7 +300,10 @@ class ModelShapeHints:
     dense_params: int = 0
     """Parameters outside the embedding tables and the experts."""
     hidden_dim: int = 0
-    """Output width of the widest MLP / projection (the tensor-parallel candidate)."""
+    """Output width of the widest layer tensor parallelism can split (the model's tp plan: attention
+    heads' q width, an MLP's hidden width); 0: none or unknown."""
+    hidden_units: int = 0
+    """Indivisible pieces of that width (attention heads): tp must divide it; 0: any divisor of hidden_dim."""
     num_experts: int = 0
     """Dense ensemble experts (Wukong/DHEN); 0 or 1 means no expert parallelism."""
     expert_params: int = 0
@@ -320,14 +323,35 @@ def _divisors(n: int) -> list[int]:
 DIMS = frozenset({"dp_replicate", "dp_shard", "ep", "cp", "tp", "sparse_shard"})
 
 
-#: The dimensions the automatic plan chooses on the DeepSpeed trainer path (gem/parallel/deepspeed_config.py).
-#: ep and sparse_shard also run there, at ZeRO-1/2, but only when given explicitly (spec.parallelism.plan):
-#: their shards are stepped outside DeepSpeed's optimizer (gem/train/optim.py ShardOptimizer), so an
-#: automatic choice would change how a job that never asked for them trains and checkpoints.
+#: The dimensions the automatic plan always may choose on the DeepSpeed trainer path (gem/parallel/deepspeed_config.py).
+#: ep and sparse_shard also run there, at ZeRO-1/2, with their shards stepped outside DeepSpeed's optimizer
+#: (gem/train/optim.py ShardOptimizer): deepspeed_auto_dims adds ep when the job's stage and precision allow
+#: it; sparse_shard only runs when given explicitly (spec.parallelism.plan).
 DEEPSPEED_DIMS = frozenset({"dp_replicate", "dp_shard", "cp", "tp"})
 
 #: ZeRO stages that can keep expert and embedding-row shards out of DeepSpeed (split_for_deepspeed).
 SHARD_ZERO_STAGES = (1, 2)
+
+
+def deepspeed_auto_dims(zero_stage: int, precision: str = "fp32") -> tuple[frozenset[str], dict[str, str]]:
+    """(the dims the automatic plan may choose on the DeepSpeed path, why each other one stays 1).
+
+    ep joins DEEPSPEED_DIMS when the job can run expert shards outside DeepSpeed's optimizer
+    (gem/train/optim.py ShardOptimizer): ZeRO-1/2 and fp32. sparse_shard stays explicit-only: it
+    changes every big table's layout and checkpoint, which a job that never asked for it should not get.
+    The trainer (gem/parallel/job.py choose_plan) and the operator both come through here.
+    """
+    precision = str(getattr(precision, "value", precision))
+    why = {"sparse_shard": "row sharding runs on the DeepSpeed path only when given in spec.parallelism.plan"}
+    if zero_stage == 0:
+        why["ep"] = "ZeRO-0 all-reduces every module gradient over the data group, expert shards cannot stay outside"
+    elif zero_stage == 3:
+        why["ep"] = "ZeRO-3 partitions every parameter, expert shards cannot stay outside"
+    elif precision != "fp32":
+        why["ep"] = f"precision {precision}: expert shards would train outside DeepSpeed without fp32 master weights"
+    else:
+        return DEEPSPEED_DIMS | {"ep"}, why
+    return DEEPSPEED_DIMS, why
 
 
 def check_deepspeed_plan(plan: ParallelPlan) -> None:
@@ -349,12 +373,13 @@ GIVEN = "given in spec.parallelism.plan"
 
 def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = ModelShapeHints(), *,
               zero_stage: int = 1, allowed: frozenset[str] = DIMS, fixed: Mapping[str, int] | None = None,
-              given: str = GIVEN) -> tuple[ParallelPlan, str]:
+              given: str = GIVEN, why_not: Mapping[str, str] | None = None) -> tuple[ParallelPlan, str]:
     """A plan for world_size ranks on topology, with the most talkative dimension on the fastest links.
 
     Rules, in order: tp inside a node (only for matrices wide enough to split); cp and ep inside
     the node if they fit, else inside the block; the ZeRO shard group over the rest of one block;
-    replicas across blocks. Dimensions not in `allowed` stay at 1 (the caller cannot run them).
+    replicas across blocks. Dimensions not in `allowed` stay at 1 (the caller cannot run them;
+    `why_not[dim]` says why in the reason).
     `fixed` (snake_case degrees, dp_* may be -1 for "the rest") are kept as given and the others
     chosen around them. Returns the plan and the reasons, one clause per decision, joined by "; ".
     """
@@ -362,6 +387,7 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         raise PlanError(f"world size {world_size} does not match the topology ({topology.describe()})",
                         dimension="world", degree=world_size, world_size=topology.world_size)
     fixed = dict(fixed or {})
+    why_not = dict(why_not or {})
     unknown = sorted(set(fixed) - DIMS)
     if unknown:
         raise ValueError(f"unknown parallel degrees {unknown}; known: {', '.join(sorted(DIMS))}")
@@ -374,14 +400,16 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         why.append(f"tp={tp}: {given}")
     elif hints.hidden_dim and "tp" in allowed:
         for cand in _divisors(node):
-            if hints.hidden_dim % cand == 0 and hints.hidden_dim // cand >= TP_MIN_SHARD_WIDTH:
+            if hints.hidden_dim % cand == 0 and hints.hidden_dim // cand >= TP_MIN_SHARD_WIDTH \
+                    and (not hints.hidden_units or hints.hidden_units % cand == 0):  # heads stay whole
                 tp = cand
+    units = f", {hints.hidden_units} heads" if hints.hidden_units else ""
     if "tp" not in fixed:
         why.append(f"tp={tp}: " + (
-        f"the widest projection ({hints.hidden_dim}) splits into {tp} shards of >= {TP_MIN_SHARD_WIDTH} "
-        f"columns inside one node ({node} ranks, NVLink)" if tp > 1 else
+        f"the widest projection tp can split ({hints.hidden_dim}{units}) splits into {tp} shards of >= "
+        f"{TP_MIN_SHARD_WIDTH} columns inside one node ({node} ranks, NVLink)" if tp > 1 else
         f"no projection is wide enough to split (needs >= {2 * TP_MIN_SHARD_WIDTH} columns, "
-        f"widest {hints.hidden_dim or 'unknown'})"))
+        f"widest tp can split {hints.hidden_dim or 'unknown'}{units})"))
 
     # cp: per-layer key/value traffic -> inside a node if possible, else a block.
     cp = fixed.get("cp", 1)
@@ -418,7 +446,7 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         why.append(f"ep={ep}: " + (
         f"{hints.num_experts} dense experts, {hints.num_experts // ep} per rank, each expert-parallel "
         f"group inside one {_level_for(topology, ep * cp * tp)}" if ep > 1 else
-        "expert parallelism is not available here" if "ep" not in allowed else
+        (why_not.get("ep") or "expert parallelism is not available here") if "ep" not in allowed else
         "no dense expert ensemble" if hints.num_experts <= 1 else
         "the experts cannot be split inside a block"))
 
@@ -471,7 +499,8 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         why.append(f"sparse_shard={sparse}: embedding rows are sharded over {sparse} data ranks "
                f"(inside one {_level_for(topology, sparse * tp)}) and replicated {data_world // sparse}x"
                if sparse > 1 else "sparse_shard=1: embedding tables are replicated" +
-               ("" if "sparse_shard" in allowed else " (row sharding is not available here)"))
+               ("" if "sparse_shard" in allowed else
+                f" ({why_not.get('sparse_shard', 'row sharding is not available here')})"))
 
     plan = ParallelPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp,
                         tp=tp, sparse_shard=sparse, zero_stage=zero_stage)

@@ -5,9 +5,12 @@
     loader = ShardedLoader(..., rank=par.data_rank, world_size=par.data_world_size)
     report["parallelPlan"] = par.report()
 
-The trainer path runs on DeepSpeed, so the automatic plan only chooses plan.DEEPSPEED_DIMS; ep and
-sparse_shard run when given explicitly, at ZeRO-1/2 (check_deepspeed_plan raises PlanError otherwise;
-the trainer keeps their shards out of DeepSpeed, gem/train/optim.py ShardOptimizer). Under the operator
+The trainer path runs on DeepSpeed, so the automatic plan chooses plan.DEEPSPEED_DIMS, plus ep when
+the job can run it (ZeRO-1/2, fp32: plan.deepspeed_auto_dims, applied in job.choose_plan for the trainer
+and the operator alike); sparse_shard runs only when given explicitly. ep and sparse_shard need ZeRO-1/2
+(check_deepspeed_plan raises PlanError otherwise; the trainer keeps their shards out of DeepSpeed,
+gem/train/optim.py ShardOptimizer). The hints come from the model itself (model_shape_hints: the
+layers its tp plan splits, its experts). Under the operator
 the plan comes from GEM_TOPOLOGY (gem/parallel/job.py), so the trainer runs what the status shows.
 """
 

@@ -16,6 +16,7 @@ nothing to the gradient sync: the data group (plan.py) excludes tp.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 
 import torch
@@ -86,6 +87,7 @@ class ColumnParallelLinear(nn.Module):
         if out_features % tp:
             raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
         self.in_features, self.out_features, self.group, self.gather_output = in_features, out_features, group, gather_output
+        self.groups = 1  # stacked output blocks split separately (from_linear's groups)
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
         _mark_sharded(self.weight, 0)
@@ -93,18 +95,39 @@ class ColumnParallelLinear(nn.Module):
             _mark_sharded(self.bias, 0)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, *, gather_output: bool = False) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group, *, gather_output: bool = False,
+                    groups: int = 1) -> "ColumnParallelLinear":
+        """This rank's output rows of `linear`. groups=g: the outputs are g stacked blocks (a fused q/k/v
+        projection has 3) and the rank takes its slice of each, kept in block order ([q_r; k_r; v_r]),
+        so the module's own reshape into (g, heads, head_dim) works on the local width."""
         tp, r = dist.get_world_size(group), dist.get_rank(group)
+        if linear.out_features % (groups * tp):
+            raise ValueError(f"out_features={linear.out_features} is not divisible by {groups} blocks x tp={tp}")
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
                   gather_output=gather_output).to(linear.weight.device, linear.weight.dtype)
+        mod.groups = groups
+        if groups > 1:
+            for p in mod.parameters():
+                p.partition_stride = groups
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([block.chunk(tp, dim=0)[r] for block in t.chunk(groups, dim=0)], dim=0)
+
         with torch.no_grad():
-            mod.weight.copy_(linear.weight.chunk(tp, dim=0)[r])
+            mod.weight.copy_(local(linear.weight))
             if linear.bias is not None:
-                mod.bias.copy_(linear.bias.chunk(tp, dim=0)[r])
+                mod.bias.copy_(local(linear.bias))
         return mod
+
+    def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard (rank order): the inverse of from_linear's split."""
+        blocks = [p.chunk(self.groups, dim=0) for p in parts]
+        return torch.cat([b[g] for g in range(self.groups) for b in blocks], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(_CopyToRegion.apply(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        if self.gather_output and self.groups > 1:
+            raise ValueError("gather_output of a grouped (fused q/k/v) split would interleave the blocks")
         return _GatherFromRegion.apply(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -146,6 +169,10 @@ class RowParallelLinear(nn.Module):
 # ---------------------------------------------------------------------------- plans
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+#: A fused q/k/v projection ([q; k; v] rows): colwise over each of the 3 blocks, so a rank owns whole
+#: heads when num_heads % tp == 0 (Megatron's attention split; the output projection is ROWWISE).
+QKV_COLWISE = "colwise_qkv"
+_GROUPS = {COLWISE: 1, QKV_COLWISE: 3}
 
 
 def default_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
@@ -163,6 +190,39 @@ def default_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     return plan
 
 
+def tp_plan_for(model: nn.Module, tp: int) -> dict[str, str]:
+    """What parallelize splits at degree tp: the model's own `tp_plan(tp)` when it has one, else default_tp_plan."""
+    own = getattr(model, "tp_plan", None)
+    return own(tp) if callable(own) else default_tp_plan(model, tp)
+
+
+def tp_split_shape(model: nn.Module, max_degree: int = 64) -> tuple[int, int]:
+    """(width, units) of the widest layer the model's tp plan splits, for auto_plan's hints; (0, 0) if none.
+
+    width: output columns of one colwise block (a fused q/k/v layer counts one of its 3 blocks);
+    units: the lcm of the degrees <= max_degree at which the plan still splits that layer (e.g. its
+    attention heads), so a degree up to max_degree divides units exactly when the plan can use it.
+    """
+    def colwise(tp: int) -> dict[str, int]:  # name -> block width of the linears split colwise at tp
+        plan = tp_plan_for(model, tp)
+        out = {}
+        for name, mod in model.named_modules():
+            style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+            if style in _GROUPS and isinstance(mod, nn.Linear):
+                out[name] = mod.out_features // _GROUPS[style]
+        return out
+
+    widths = colwise(1)
+    if not widths:
+        return 0, 0
+    name, width = max(widths.items(), key=lambda kv: kv[1])
+    units = 1
+    for t in range(2, max_degree + 1):
+        if width % t == 0 and name in colwise(t):
+            units = math.lcm(units, t)
+    return width, units
+
+
 def apply_tensor_parallel(model: nn.Module, group, plan: Mapping[str, str]) -> list[str]:
     """Replace the nn.Linear modules named by `plan` (fnmatch patterns -> colwise|rowwise) in place.
 
@@ -174,7 +234,12 @@ def apply_tensor_parallel(model: nn.Module, group, plan: Mapping[str, str]) -> l
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or not isinstance(mod, nn.Linear):
             continue
-        new = ColumnParallelLinear.from_linear(mod, group) if style == COLWISE else RowParallelLinear.from_linear(mod, group)
+        if style in _GROUPS:
+            new = ColumnParallelLinear.from_linear(mod, group, groups=_GROUPS[style])
+        elif style == ROWWISE:
+            new = RowParallelLinear.from_linear(mod, group)
+        else:
+            raise ValueError(f"unknown tp style {style!r} for {name}: {', '.join([*_GROUPS, ROWWISE])}")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)

@@ -78,6 +78,8 @@ def plan(kind: str, obj: Any, defaults: render.PlatformDefaults,
         env = topology_env({lv.label: topology.nodes_per_domain(lv) for lv in topology.levels[1:-1] if lv.label}, mode)
         return render.JobPlacement(topology=topology, mode=mode, env=env), None
     try:
+        # The DeepSpeed trainer's dims; plan_job adds ep when spec.parallelism.zeroStage and
+        # spec.training.precision let it run (plan.deepspeed_auto_dims), as the trainer does.
         job = plan_job(par, obj.spec.training, topology=topology, mode=mode, hints=spec_hints(obj.spec),
                        allowed=DEEPSPEED_DIMS)
     except ValueError as e:  # PlanError names the dimension, its degree, the world size and the level
