@@ -56,3 +56,11 @@ def test_service_precomputes_and_answers_over_http():
 
     asyncio.run(scenario())
     assert service.rounds >= 1 and service.precomputed > 0
+
+
+def test_building_a_service_leaves_autograd_alone():
+    """A library object must not switch gradients off for the whole process (it broke later training)."""
+    import torch
+
+    make_service([0.0])
+    assert torch.is_grad_enabled()

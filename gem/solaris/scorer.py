@@ -25,8 +25,7 @@ class FMScorer:
         self.rep = UserRepresentation(self.model)
         self.ad_campaign = ad_campaign
         self.campaign_advertiser = campaign_advertiser
-        self.batch_size = batch_size
-        torch.set_grad_enabled(False)
+        self.batch_size = batch_size  # scoring runs under no_grad (thread-local), never disabling grad globally
 
     def score(self, context: Examples, rows: np.ndarray, ads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values [N, 2] = FM logits (click, conversion), user embeddings [N, D]) for context rows x ads."""
