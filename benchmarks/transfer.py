@@ -11,11 +11,13 @@ own (gem.model.loss.multitask_bce, gem.distill.task.kd_loss, gem.loopfm.task.loo
              learns from), trained once and cached (see --cache)
   memory     the FM's user embeddings of every impression it scored (its own traffic, the
              vertical's train and eval), logged in request-time order into an EmbeddingMemory
-             (gem.loopfm.logging.log_stream); read point-in-time
+             (gem.loopfm.logging.log_stream, kind "history": the FM's item + campaign embeddings
+             pooled over the request's history, candidate-independent); read point-in-time
+             (strictly before each request)
   students   two passes over the vertical's train split (more over-fits their id tables)
   baseline   the KD student architecture, labels only (kd_loss with α = 0)
   kd         the same student, plain KD (α, T)
-  loopfm     LoopFMStudent: memory features + aux head (β) + adapter
+  loopfm     LoopFMStudent: memory features read bilinearly with the candidate + aux head (β) + adapter
 
 The baseline and KD students are widened (hidden width) until their serving cost matches the
 LoopFM student's (multiply-adds per request within 5%; both counts and the parameter counts of
@@ -29,9 +31,12 @@ train split are computed once (the FM is frozen and deterministic in eval mode):
 the trainer's Task would compute per batch, without re-running the FM every step.
 
 Diagnostics in the JSON (`memory`): coverage (share of eval requests that read at least one
-embedding, mean embeddings read) and held-out click NE of logistic probes (memory_probes): on
-the memory mean alone, on the baseline student's logit with and without it, and on the FM's
-embedding of the request itself (not servable: an upper bound on what the representation holds).
+embedding, mean embeddings read), held-out click NE of logistic probes (memory_probes): on the
+memory mean alone (a main effect only), on the baseline student's logit with and without it, with
+it crossed with the candidate's campaign (a bilinear read), and on the FM's embedding of the
+request itself (not servable: an upper bound on what the representation holds); and interest_r2,
+how much of the user's hidden interest vector the memory mean and the student's own 8-event window
+explain (reads the world's latents: a diagnostic, never a model input).
 
 Writes benchmarks/results/transfer.json and transfer.png.
 """
@@ -134,12 +139,19 @@ def train_fm(data: dict, steps: int, out: Path, *, split: int = 0, num_examples:
     return out
 
 
-def memory_probes(fm, baseline, index, train, evaluation, *, k: int, max_seq_len: int) -> dict[str, float]:
-    """Held-out click NE of logistic probes fitted on the train split: does the memory carry signal?
+def memory_probes(fm, baseline, index, train, evaluation, *, k: int, max_seq_len: int, world=None,
+                  student_seq_len: int = STUDENT["maxSeqLen"]) -> dict[str, dict[str, float]]:
+    """Does the memory carry signal, and in what form? Probes fitted on the train split, held out on eval.
 
-    memory_mean: the masked mean of the k embeddings read (point-in-time); baseline: the baseline
-    student's logit; baseline+memory_mean: both (what the memory adds to the student);
-    current_embedding: the FM's embedding of the request itself (an upper bound, not servable).
+    click (held-out click NE of logistic probes): memory_mean, the masked mean of the k embeddings
+    read (point-in-time), alone: a main effect only, blind to a user x ad signal; baseline, the
+    baseline student's logit; baseline+memory_mean: both; baseline+memory_x_campaign: the baseline
+    logit and memory_mean ⊗ one-hot(candidate campaign), a bilinear read (what the LoopFM reader
+    can use); current_embedding: the FM's token embedding of the request itself (an upper bound,
+    not servable).
+    interest_r2 (diagnostic, reads the world's hidden latents, never used by a model): R² of a ridge
+    regression of the user's true interest vector at request time on memory_mean, and on the
+    campaign histogram of the student's own window (its `student_seq_len` most recent events).
     """
     import torch
 
@@ -159,19 +171,42 @@ def memory_probes(fm, baseline, index, train, evaluation, *, k: int, max_seq_len
                                                        max_seq_len=max_seq_len))["click"].numpy()
                                    for lo in range(0, len(ex), 1024)])[:, None]
 
-    feats = {}
+    num_campaigns = int(max(train.campaign_id.max(), evaluation.campaign_id.max())) + 1
+    feats, mem = {}, {}
     for split, ex in (("train", train), ("eval", evaluation)):
-        feats[split] = {"memory_mean": memory_mean(ex), "baseline": student_logit(ex),
+        mem[split] = memory_mean(ex)
+        by_campaign = (mem[split][:, :, None] * np.eye(num_campaigns, dtype=np.float32)[ex.campaign_id][:, None, :])
+        feats[split] = {"memory_mean": mem[split], "baseline": student_logit(ex),
                         "current_embedding": embed_examples(fm, ex)[0]}
-        feats[split]["baseline+memory_mean"] = np.concatenate([feats[split]["baseline"],
-                                                               feats[split]["memory_mean"]], 1)
-    out = {}
+        feats[split]["baseline+memory_mean"] = np.concatenate([feats[split]["baseline"], mem[split]], 1)
+        feats[split]["baseline+memory_x_campaign"] = np.concatenate(
+            [feats[split]["baseline"], by_campaign.reshape(len(ex), -1)], 1)
+    click = {}
     for name in feats["train"]:
         x_tr, x_ev = feats["train"][name], feats["eval"][name]
         mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
-        w = fit_logistic((x_tr - mu) / sd, train.click, l2=1e-4)
+        w = fit_logistic((x_tr - mu) / sd, train.click, l2=1e-3 if "_x_" in name else 1e-4)
         logit = np.concatenate([(x_ev - mu) / sd, np.ones((len(x_ev), 1))], 1) @ w
-        out[name] = float(normalized_entropy(evaluation.click, 1 / (1 + np.exp(-logit))))
+        click[name] = float(normalized_entropy(evaluation.click, 1 / (1 + np.exp(-logit))))
+    out = {"click": click}
+    if world is not None:
+        def own_window(ex):  # campaign histogram of the student's most recent events
+            off = ex.seq_offsets
+            owner = np.repeat(np.arange(len(ex)), np.diff(off))
+            keep = (np.repeat(off[1:], np.diff(off)) - 1 - np.arange(off[-1])) < student_seq_len
+            h = np.zeros((len(ex), num_campaigns), np.float32)
+            np.add.at(h, (owner[keep], ex.seq_campaign_id[keep]), 1.0)
+            return h / np.maximum(h.sum(1, keepdims=True), 1.0)
+
+        def ridge_r2(x_tr, x_ev):
+            y_tr, y_ev = (world.interest_at(ex.user_id, ex.request_time) for ex in (train, evaluation))
+            mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
+            a, b = (np.c_[(x - mu) / sd, np.ones(len(x))] for x in (x_tr, x_ev))
+            w = np.linalg.solve(a.T @ a + np.eye(a.shape[1]), a.T @ y_tr)
+            return float(1 - ((y_ev - b @ w) ** 2).mean() / y_ev.var(0).mean())
+
+        out["interest_r2"] = {"memory_mean": ridge_r2(mem["train"], mem["eval"]),
+                              "student_window": ridge_r2(own_window(train), own_window(evaluation))}
     return out
 
 
@@ -210,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from gem.data.synthetic import SyntheticWorld, build_splits
     from gem.distill.student import StudentModel
     from gem.distill.task import kd_loss
-    from gem.loopfm.logging import UserRepresentation, embed_examples, log_stream, model_version_of
+    from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, embed_examples, log_stream, logged_version
     from gem.loopfm.memory import EmbeddingMemory
     from gem.loopfm.student import LoopFMStudent, serving_params, student_flops
     from gem.loopfm.task import loopfm_loss
@@ -237,19 +272,19 @@ def main(argv: list[str] | None = None) -> int:
         train_fm(data, fm_steps, fm_dir, split=FM_SPLIT, num_examples=fm_examples)
     timings["fm_train"] = time.perf_counter() - t0
     fm, _ = load_model(fm_dir)
-    version = model_version_of(fm_dir)
+    version = logged_version(fm_dir, LOGGED_KIND)
     memory = EmbeddingMemory(work / "memory")
     t0 = time.perf_counter()
     if version not in memory.model_versions():
         # Everything the FM scored: its own traffic and the vertical's, in request-time order.
         fm_traffic = SyntheticWorld(SyntheticDataSpec.model_validate(data)).sample(fm_examples, split=FM_SPLIT)
-        log_stream(fm, [fm_traffic, train, evaluation], memory, version)
+        log_stream(fm, [fm_traffic, train, evaluation], memory, version, kind=LOGGED_KIND)
     index = memory.index(version)
     timings["memory_log"] = time.perf_counter() - t0
     # Teacher logits on the train split: what the Task's frozen teacher returns for each batch.
     _, teacher_logits = embed_examples(fm, train)
     teacher_t = {k: torch.from_numpy(v) for k, v in teacher_logits.items()}
-    memory_dim = UserRepresentation(fm).dim
+    memory_dim = UserRepresentation(fm, LOGGED_KIND).dim
     max_seq_len = fm.max_seq_len  # batches carry the teacher's history; students keep their own most recent
     fm_metrics = evaluate(fm, evaluation, fm.max_seq_len)
 
@@ -302,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     _, _, valid = index.lookup(evaluation.user_id, evaluation.request_time, dist.memory_k)
-    probes = memory_probes(fm, baseline0, index, train, evaluation, k=dist.memory_k, max_seq_len=max_seq_len)
+    probes = memory_probes(fm, baseline0, index, train, evaluation, k=dist.memory_k, max_seq_len=max_seq_len,
+                           world=SyntheticWorld(SyntheticDataSpec.model_validate(data)))
     result = {
         "transfer_ratio_loopfm": float(np.mean(tr["loopfm"])),
         "transfer_ratio_kd": float(np.mean(tr["kd"])),
@@ -317,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         "serving_cost": cost,
         "memory": {"rows": len(index), "dim": memory_dim, "k": dist.memory_k,
                    "eval_coverage": float(valid.any(1).mean()), "eval_mean_embeddings_read": float(valid.sum(1).mean()),
-                   "click_probes": probes},
+                   "representation": LOGGED_KIND, "click_probes": probes["click"],
+                   "interest_r2": probes["interest_r2"]},
         "seconds": {k: round(v, 1) for k, v in timings.items()},
         "config": {"data": data, "steps": steps, "fm_steps": fm_steps, "fm_examples": fm_examples, "fm_split": FM_SPLIT, "batch_size": BATCH, "learning_rate": LR,
                    "seeds": args.seeds, "student": STUDENT, "kd_hidden": kd_hidden, "kd_alpha": args.kd_alpha,

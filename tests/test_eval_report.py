@@ -90,20 +90,7 @@ def test_report_without_true_probabilities():
     assert rep["tasks"]["click"]["bayesNe"] is None and rep["tasks"]["click"]["ne"] is not None
 
 
-@pytest.fixture
-def clean_env(tmp_path, monkeypatch):
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP", "GEM_REGISTERED_MODEL_NAME"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_trainer_logs_the_report_and_registers_the_model(tmp_path, clean_env):
+def test_trainer_logs_the_report_and_registers_the_model(tmp_path, trainer_env):
     import mlflow
     from mlflow.tracking import MlflowClient
 

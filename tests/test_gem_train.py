@@ -200,3 +200,18 @@ def test_wrong_kind_and_missing_file(tmp_path, capsys):
     assert "kind must be LoopFMDistill" in capsys.readouterr().err
     assert cli.main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_cpu_init_skips_deepspeeds_shared_memory_op():
+    """DeepSpeed's CPU backend would JIT-compile its shm all-reduce op (~40 s of g++) that training
+    never uses; init_distributed keeps it from being built (gem.parallel.deepspeed_config)."""
+    import deepspeed.comm.comm as ds_comm
+
+    from gem.train.dist import init_distributed, shutdown
+
+    env = init_distributed()
+    try:
+        assert env.device.type == "cpu" and ds_comm.cdb is not None
+        assert ds_comm.cdb.shm_comm_op is None
+    finally:
+        shutdown()

@@ -59,3 +59,48 @@ def test_retention_and_versions(tmp_path):
     assert mem.shards() == [] and not mem.lookup([1], [2000], k=1)[2].any()
     with pytest.raises(ValueError):
         mem.append([1], [1, 2], "v", np.ones((1, 2)))
+
+
+def test_versions_of_different_widths_index_separately(tmp_path):
+    # a job's memory may hold one teacher's "tokens" rows (64-d) and its "history" rows (32-d)
+    mem = EmbeddingMemory(tmp_path)
+    mem.append([1, 1], [10, 20], "fm", np.ones((2, 4)))
+    mem.append([1, 2], [15, 25], "fm+history", np.full((2, 2), 3.0))
+    assert mem.index("fm").dim == 4 and len(mem.index("fm")) == 2
+    emb, ts, valid = mem.lookup([1], [100], k=3, model_version="fm+history")
+    assert emb.shape == (1, 3, 2) and ts[0][valid[0]].tolist() == [15]
+    with pytest.raises(ValueError, match="widths"):
+        mem.index()  # all versions at once: no single width
+
+
+def test_history_representation_is_candidate_independent_and_point_in_time():
+    """The logged "history" user vector depends on the events before the request only: not on the
+    candidate ad, campaign or the impression's labels, and not on events at or after the request."""
+    import torch
+
+    from gem.api.types import ModelSpec, SyntheticDataSpec
+    from gem.data.batch import make_batch
+    from gem.data.synthetic import SyntheticWorld
+    from gem.loopfm.logging import UserRepresentation, embed_examples
+    from gem.model import build_model
+
+    torch.manual_seed(0)
+    fm = build_model(ModelSpec(preset="tiny")).eval()
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=6)).sample(16, split=0)
+    assert (ex.seq_timestamp < np.repeat(ex.request_time, ex.seq_lengths)).all()  # histories precede requests
+    rep = UserRepresentation(fm, "history")
+    assert rep.dim == 32  # tiny: d
+    batch = make_batch(ex, np.arange(16), max_seq_len=fm.max_seq_len)
+    _, emb = rep(batch)
+    swapped = make_batch(ex, np.arange(16), max_seq_len=fm.max_seq_len)
+    swapped.ad_id = (swapped.ad_id + 7) % 40
+    swapped.campaign_id = swapped.ad_id % 5
+    swapped.click = 1 - swapped.click
+    _, emb2 = rep(swapped, logits=False)
+    assert torch.equal(emb, emb2)
+    # the tokens representation (what the memory logged before) moves with the candidate
+    tok = UserRepresentation(fm, "tokens")
+    assert not torch.allclose(tok(batch)[1], tok(swapped)[1])
+    # embed_examples without logits skips the FM's forward and returns the same rows
+    rows, logits = embed_examples(fm, ex, kind="history", logits=False)
+    assert logits == {} and np.allclose(rows, emb.numpy())

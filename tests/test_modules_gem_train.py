@@ -9,7 +9,6 @@ repeats), the `tiny` preset, a few hundred steps.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -59,19 +58,7 @@ class DLRMTask(GEMTask):
         return DLRMOverBatch(DLRMModel(DLRMConfig(base=kunlun_config(self.config))), self.max_seq_len)
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GEM_TERMINATION_MESSAGE_PATH", str(tmp_path / "termination-log"))
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_gem_trains_through_gem_train_and_beats_dlrm_on_ne(tmp_path, env):
+def test_gem_trains_through_gem_train_and_beats_dlrm_on_ne(tmp_path, trainer_env):
     path = tmp_path / "gem.yaml"
     path.write_text(yaml.safe_dump(_manifest(tmp_path, "gem")))
     assert cli.main(["train", "--config", str(path)]) == 0

@@ -58,17 +58,7 @@ def test_mlflow_metric_names_are_legal():
     assert mlflow_metric_name("ne/click@a") == "ne/click/a"
 
 
-@pytest.fixture
-def clean_env(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GEM_TERMINATION_MESSAGE_PATH", str(tmp_path / "termination-log"))
-    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
-    yield
-
-
-def test_gem_train_mixes_sources_and_reports_each(tmp_path, clean_env):
+def test_gem_train_mixes_sources_and_reports_each(tmp_path, trainer_env):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -106,7 +96,7 @@ def test_gem_train_mixes_sources_and_reports_each(tmp_path, clean_env):
         mlflow.set_tracking_uri(None)
 
 
-def test_register_model_false_registers_nothing(tmp_path, clean_env):
+def test_register_model_false_registers_nothing(tmp_path, trainer_env):
     import mlflow
     from mlflow.tracking import MlflowClient
 

@@ -1,17 +1,22 @@
 """Logging a foundation model's user representation into the embedding memory.
 
 The FM (gem.train.checkpoint.load_model(dir)) is run over the synthetic world's impressions in
-time order, and for every impression we log (user_id, request_time, model_version, embedding),
-where the embedding is the FM's intermediate user representation, read with a forward hook on
-the GEM model's output norm (no change to gem/model):
+time order, and for every impression we log (user_id, request_time, model_version, embedding).
+Two user representations (`kind`):
 
-    norm_out(Q)  [B, Nq, d]   Nq = 5 non-sequence tokens (user, ad, campaign, surface, dense) + seeds
-    embedding  = [ user token ‖ mean of the seed tokens ]   [B, 2d]
-
-Both are the query tokens after they have read the user's event history: the user token is the
-user's id embedding refined by the history, the seeds summarise the history. (Event tokens carry a
-same-campaign flag relative to the candidate, so the summary is mildly candidate-aware: a user x ad
-embedding more than a pure user one.)
+* "history" (what LoopFM logs, `LOGGED_KIND`): the FM's own event embeddings (its item + campaign
+  tables) mean-pooled over the request's event history, the window the FM reads (its max_seq_len
+  most recent events, all strictly before the request)   [B, d]
+  Candidate-independent: a pure user vector, the user's interests as the FM's embedding space
+  places them. Pooled again over the user's k most recent logged rows it summarises a few days of
+  history, several times the student's own window.
+* "tokens" (the default of `UserRepresentation`, which the Solaris scorer uses): read with a
+  forward hook on the GEM model's output norm (no change to gem/model),
+      norm_out(Q)  [B, Nq, d]   Nq = 5 non-sequence tokens (user, ad, campaign, surface, dense) + seeds
+      embedding  = [ user token ‖ mean of the seed tokens ]   [B, 2d]
+  the query tokens after they have read the history. The candidate enters the FM's sequence
+  encoders and interaction layers, so this is a user x candidate embedding more than a user one:
+  logged into the memory it explains a third as much of the user's interest (docs/loopfm.md).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from gem.data.batch import make_batch
 from gem.data.synthetic import Examples
 from gem.loopfm.memory import EmbeddingMemory
 from gem.model.embeddings import NUM_NON_SEQ_TOKENS
+from gem.model.jagged import segment_ids
 
 LOG_BATCH = 512
 
@@ -41,54 +47,94 @@ def model_version_of(ckpt_dir: str | Path) -> str:
     return f"{ckpt_dir.name}-{h.hexdigest()[:12]}"
 
 
-class UserRepresentation:
-    """Wraps a GEM model: calling it on a batch returns (logits, user embedding [B, 2d])."""
+KINDS = ("tokens", "history")
+LOGGED_KIND = "history"  # what LoopFM's memory holds (gem.loopfm.task, benchmarks/transfer.py)
 
-    def __init__(self, model: nn.Module):
+
+def logged_version(ckpt_dir: str | Path, kind: str = LOGGED_KIND) -> str:
+    """The memory's model_version of a checkpoint's `kind` rows ("tokens" keeps the bare version id)."""
+    version = model_version_of(ckpt_dir)
+    return version if kind == "tokens" else f"{version}+{kind}"
+
+
+class UserRepresentation:
+    """Wraps a GEM model: calling it on a batch returns (logits, user embedding [B, dim]).
+
+    kind "tokens": [user token ‖ mean of seed tokens] after the output norm (2d); kind "history":
+    the mean of the FM's item + campaign embeddings over the batch's event history (d), see above.
+    """
+
+    def __init__(self, model: nn.Module, kind: str = "tokens"):
+        if kind not in KINDS:
+            raise ValueError(f"unknown user representation {kind!r}: one of {KINDS}")
         if not hasattr(model, "norm_out"):
             raise TypeError(f"{type(model).__name__} is not a GEM model (no norm_out to hook)")
+        if kind == "history" and not hasattr(getattr(model, "embeddings", None), "lookup"):
+            raise TypeError(f"{type(model).__name__} has no embedding tables to pool the history with")
         self.model = model
+        self.kind = kind
         self._captured: torch.Tensor | None = None
-        model.norm_out.register_forward_hook(self._hook)
+        if kind == "tokens":
+            model.norm_out.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         self._captured = output
 
     @property
     def dim(self) -> int:
-        return 2 * int(self.model.norm_out.normalized_shape[0])
+        d = int(self.model.norm_out.normalized_shape[0])
+        return 2 * d if self.kind == "tokens" else d
 
     @torch.no_grad()
-    def __call__(self, batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        logits = self.model(batch)
+    def history(self, batch) -> torch.Tensor:
+        """[B, d]: mean of the FM's item + campaign embeddings over each example's events (zeros if none)."""
+        tables = self.model.embeddings
+        events = (tables.lookup("item", batch.seq_ad_id) + tables.lookup("campaign", batch.seq_campaign_id))
+        seg = segment_ids(batch.seq_offsets)  # [ΣL]
+        total = events.new_zeros(batch.size, events.shape[1]).index_add(0, seg, events)
+        count = batch.seq_offsets.diff().clamp_min(1).to(total.dtype)
+        return (total / count.unsqueeze(1)).float()
+
+    @torch.no_grad()
+    def __call__(self, batch, *, logits: bool = True) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
+        if self.kind == "history":
+            return (self.model(batch) if logits else None), self.history(batch)
+        out = self.model(batch)
         q = self._captured  # [B, Nq, d]
         self._captured = None
         user = q[:, 0]  # [B, d]
         seeds = q[:, NUM_NON_SEQ_TOKENS:].mean(dim=1)  # [B, d]
-        return logits, torch.cat([user, seeds], dim=1).float()
+        return out, torch.cat([user, seeds], dim=1).float()
 
 
 @torch.no_grad()
-def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LOG_BATCH
-                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(user embeddings [N, 2d], teacher logits per task [N]) for every example, in example order."""
-    rep = UserRepresentation(model.eval())
-    embs, logits = [], {"click": [], "conversion": []}
+def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LOG_BATCH, kind: str = "tokens",
+                   logits: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(user embeddings [N, dim], teacher logits per task [N]) for every example, in example order.
+
+    logits=False skips the FM's forward where the representation does not need it ("history"),
+    and returns no logits.
+    """
+    rep = UserRepresentation(model.eval(), kind)
+    need_logits = logits or kind == "tokens"
+    embs, out_logits = [], {"click": [], "conversion": []}
     for lo in range(0, len(examples), batch_size):
         idx = np.arange(lo, min(lo + batch_size, len(examples)))
-        out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len))
+        out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len), logits=need_logits)
         embs.append(emb.numpy())
-        for task in logits:
-            logits[task].append(out[task].float().numpy())
-    return np.concatenate(embs), {k: np.concatenate(v) for k, v in logits.items()}
+        if logits:
+            for task in out_logits:
+                out_logits[task].append(out[task].float().numpy())
+    return np.concatenate(embs), ({k: np.concatenate(v) for k, v in out_logits.items()} if logits else {})
 
 
 def log_stream(model: nn.Module, streams: list[Examples], memory: EmbeddingMemory, model_version: str,
-               *, shard_rows: int = 8192) -> int:
-    """Run the FM over the impressions of `streams` in request-time order and append one row per impression."""
+               *, shard_rows: int = 8192, kind: str = "tokens") -> int:
+    """Run the FM over the impressions of `streams` in request-time order and append one row per impression
+    (its `kind` user representation, see above)."""
     rows = 0
     for examples in streams:
-        emb, _ = embed_examples(model, examples)
+        emb, _ = embed_examples(model, examples, kind=kind, logits=False)
         order = np.argsort(examples.request_time, kind="stable")
         for lo in range(0, len(order), shard_rows):  # time-ordered shards, as a live logger would write
             sel = order[lo : lo + shard_rows]

@@ -155,12 +155,16 @@ class EmbeddingMemory:
         with self._lock:
             if model_version in self._cache:
                 return self._cache[model_version]
-            shards = self.shards()
-            if shards:
-                table = pa.concat_tables([pq.read_table(s) for s in shards])
-                if model_version is not None:
-                    table = table.filter(pc.equal(table.column("model_version"), model_version))
-            if not shards or table.num_rows == 0:
+            tables = [pq.read_table(s) for s in self.shards()]
+            if model_version is not None:  # filter per shard: versions may log embeddings of different widths
+                tables = [t.filter(pc.equal(t.column("model_version"), model_version)) for t in tables]
+            tables = [t for t in tables if t.num_rows]
+            widths = {t.schema.field("embedding").type.list_size for t in tables}
+            if len(widths) > 1:
+                raise ValueError(f"memory {self.root} holds embeddings of widths {sorted(widths)}: "
+                                 "index one model_version")
+            table = pa.concat_tables(tables) if tables else None
+            if table is None:
                 index = MemoryIndex(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
             else:
                 users = table.column("user_id").to_numpy()

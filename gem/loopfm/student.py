@@ -5,11 +5,18 @@
                         the request (k = distillation.memoryK, most recent first):
         m      = W_m · Σ_i softmax_i(r_i | valid) · LN(e_i)    [B, d]   r: k learned recency logits;
                                                                         pooled before projecting (1 projection)
-        m ⊙ ad                                                [B, d]   the candidate reads the memory
+        c      = ad + campaign                                [B, d]   the candidate (its campaign table is
+                                                                        learned from 8x the examples of its ad's)
+        m ⊙ c                                                 [B, d]   the candidate reads the memory
     h = MLP([... 9 tokens ...])                               [B, hidden]
+    s_t = c · (B_t m)                                         [B]      per task: a direct bilinear score
 
-    serving head  y   = heads(h)                  trained on labels only (what is served)
-    aux head      y'  = aux_heads(scale(h, β))    trained on the teacher's soft labels; the gradient
+    The memory holds the user's interests (gem.loopfm.logging, kind "history"); what they do to a
+    label is user x ad (the synthetic world's affinity is interest · ad latent), so the read is
+    bilinear in (memory, candidate) and reaches the logit directly, not only through the MLP.
+
+    serving head  y   = heads(h) + s              trained on labels only (what is served)
+    aux head      y'  = aux_heads(scale(h, β)) + scale(s, β)   trained on the teacher's soft labels; the gradient
                                                   into the backbone is multiplied by β (distillation.beta)
     adapter       a   = adapter(teacher logit)    trained on labels (teacher gradient stopped): maps the FM's
                                                   prediction to a label estimate for this vertical's data,
@@ -18,8 +25,9 @@
 So the serving head never regresses onto the teacher's logits and does not inherit its bias; the
 teacher's knowledge reaches it through the memory features and the shared backbone (scaled by β).
 Serving cost (`student_flops`): the KD student's MLP with 2 more input tokens + one D x d
-projection + the k-slot pooling; the memory read itself is a key-value fetch. The aux heads and
-the adapter are training-only.
+projection + the k-slot pooling + one d x d bilinear per task; the memory read itself is a
+key-value fetch. The aux heads and the adapter are training-only (s_t is shared body: it is served
+and takes the aux head's gradient, scaled by β, like h).
 """
 
 from __future__ import annotations
@@ -57,8 +65,10 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 class LoopFMStudent(StudentModel):
     def __init__(self, spec: StudentSpec, memory_dim: int, *, memory_k: int = _DEFAULTS.memory_k,
-                 beta: float = _DEFAULTS.beta, memory_max_age_s: int | None = _DEFAULTS.memory_retention_seconds):
+                 beta: float = _DEFAULTS.beta, memory_max_age_s: int | None = _DEFAULTS.memory_retention_seconds,
+                 memory_bilinear: bool = True, memory_campaign: bool = True):
         super().__init__(spec)
+        self.memory_bilinear, self.memory_campaign = memory_bilinear, memory_campaign
         d, hidden = spec.embedding_dim, spec.hidden_dim
         self.memory_dim, self.memory_k, self.beta = memory_dim, memory_k, beta
         self.memory_max_age_s = memory_max_age_s  # retention: older embeddings are gone at request time
@@ -68,6 +78,13 @@ class LoopFMStudent(StudentModel):
         self.memory_recency = nn.Parameter(torch.zeros(memory_k))  # starts as the masked mean
         self.memory_proj = nn.Linear(memory_dim, d)
         self.mlp = nn.Sequential(nn.Linear(9 * d, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        # Per task, a direct bilinear score candidate^T B_t m added to the serving logit (and the aux one):
+        # the FM memory's value is the user's interest, whose effect on the label is user x ad.
+        self.memory_score = nn.ModuleDict({task: nn.Linear(d, d, bias=False) for task in self.heads}) \
+            if memory_bilinear else None
+        if memory_bilinear:
+            for lin in self.memory_score.values():
+                nn.init.zeros_(lin.weight)
         self.aux_heads = nn.ModuleDict({task: nn.Linear(hidden, 1) for task in self.heads})
         # Adapter: FM logit -> label logit for this vertical (a tiny MLP with a residual identity).
         self.adapter = nn.ModuleDict({task: nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -78,9 +95,12 @@ class LoopFMStudent(StudentModel):
         self._memory: MemoryIndex | None = None
 
     @classmethod
-    def from_spec(cls, student: StudentSpec, distillation: DistillationSpec, memory_dim: int) -> "LoopFMStudent":
+    def from_spec(cls, student: StudentSpec, distillation: DistillationSpec, memory_dim: int,
+                  **reader) -> "LoopFMStudent":
+        """reader: memory_bilinear / memory_campaign (both on by default; off: the first reader, kept to
+        load its checkpoints and for ablations)."""
         return cls(student, memory_dim, memory_k=distillation.memory_k, beta=distillation.beta,
-                   memory_max_age_s=distillation.memory_retention_seconds)
+                   memory_max_age_s=distillation.memory_retention_seconds, **reader)
 
     # ------------------------------------------------------------------ memory
 
@@ -111,34 +131,42 @@ class LoopFMStudent(StudentModel):
 
     # ------------------------------------------------------------------ forward
 
-    def backbone(self, batch: Batch, memory: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+    def backbone(self, batch: Batch, memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 *, scores: bool = False):
+        """h [B, hidden]; with scores=True also the memory scores {task: [B]} (zeros without the bilinear)."""
         emb, valid = self.memory_features(batch) if memory is None else memory  # [B,k,D], [B,k]
         ad = self.item(hash_ids(batch.ad_id, ITEM_BUCKETS, salt=2))  # [B, d]
+        campaign = self.campaign(hash_ids(batch.campaign_id, CAMPAIGN_BUCKETS, salt=3))  # [B, d]
         history = self.pooled_history(batch)  # [B, d]
         mem = self.read_memory(emb, valid).to(ad.dtype)  # [B, d]
+        cand = ad + campaign if self.memory_campaign else ad  # [B, d]: what the user's interest meets
         x = torch.cat([
             self.user(hash_ids(batch.user_id, USER_BUCKETS, salt=1)),
             ad,
-            self.campaign(hash_ids(batch.campaign_id, CAMPAIGN_BUCKETS, salt=3)),
+            campaign,
             self.surface(batch.surface % NUM_SURFACE_BUCKETS),
             self.dense(batch.dense),
             history,
             ad * history,
             mem,
-            ad * mem,
+            cand * mem,
         ], dim=1)  # [B, 9d]
-        return self.mlp(x)  # [B, hidden]
+        h = self.mlp(x)  # [B, hidden]
+        if not scores:
+            return h
+        if self.memory_score is None:
+            return h, {task: h.new_zeros(h.shape[0]) for task in self.heads}
+        return h, {task: (cand * lin(mem)).sum(-1) for task, lin in self.memory_score.items()}  # [B] each
 
     def forward(self, batch: Batch, teacher_logits: dict[str, torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:
         """Serving logits {click, conversion}; with teacher_logits also aux/<task> and adapter/<task>."""
-        h = self.backbone(batch)
-        out = {task: head(h).squeeze(-1) for task, head in self.heads.items()}
+        h, score = self.backbone(batch, scores=True)
+        out = {task: head(h).squeeze(-1) + score[task] for task, head in self.heads.items()}
         if teacher_logits is not None:
             h_aux = scale_grad(h, self.beta)
             for task in self.heads:
-                out[f"aux/{task}"] = self.aux_heads[task](h_aux).squeeze(-1)
+                out[f"aux/{task}"] = self.aux_heads[task](h_aux).squeeze(-1) + scale_grad(score[task], self.beta)
                 t = teacher_logits[task].detach().float().unsqueeze(-1)  # [B, 1]
                 out[f"adapter/{task}"] = (t + self.adapter[task](t)).squeeze(-1)
         return out
@@ -154,7 +182,11 @@ def student_flops(model: StudentModel) -> int:
     flops = mlp + len(model.heads) * hidden + model.dense.in_features * d + d  # + dense proj + ad ⊙ history
     if isinstance(model, LoopFMStudent):
         k, D = model.memory_k, model.memory_dim
-        flops += 2 * k * D + k * D + D * d + d  # LayerNorm of k embeddings, weighted pool, projection, ad ⊙ mem
+        flops += 2 * k * D + k * D + D * d + d  # LayerNorm of k embeddings, weighted pool, projection, cand ⊙ mem
+        if model.memory_campaign:
+            flops += d  # ad + campaign
+        if model.memory_score is not None:
+            flops += len(model.memory_score) * (d * d + d)  # per task: B_t m, then · cand
     return flops
 
 
@@ -178,8 +210,16 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
     state = torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True)
     memory_dim = int(state["memory_proj.weight"].shape[1])
     model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim)
+    if not any(k.startswith("memory_score.") for k in state):  # a checkpoint of the first reader (ad ⊙ mem only)
+        model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim,
+                                        memory_bilinear=False, memory_campaign=False)
     model.load_state_dict(state)
     memory_dir = Path(memory_dir) if memory_dir else ckpt.parent / "memory"
     if memory_dir.is_dir():
-        model.attach_memory(EmbeddingMemory(memory_dir).index())
+        memory = EmbeddingMemory(memory_dir)
+        # A job's memory may also hold another teacher version's rows, or another representation's of a
+        # different width: read the (last, in sorted order) version of the width the student was trained on.
+        versions = memory.model_versions()
+        fits = [v for v in versions if memory.index(v).dim == memory_dim]
+        model.attach_memory(memory.index(fits[-1] if fits else None) if len(versions) > 1 else memory.index())
     return model.eval(), manifest

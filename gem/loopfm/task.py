@@ -26,7 +26,7 @@ from torch import nn
 from gem.api.types import LoopFMDistill
 from gem.data import Batch
 from gem.distill.teacher import load_teacher
-from gem.loopfm.logging import UserRepresentation, log_stream, model_version_of
+from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, log_stream, logged_version
 from gem.loopfm.memory import EmbeddingMemory
 from gem.loopfm.student import LoopFMStudent
 from gem.model.loss import masked_bce, task_labels, task_masks
@@ -47,10 +47,10 @@ def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill,
                  ) -> tuple[EmbeddingMemory, str]:
     """The job's memory with this teacher's embeddings logged (rank 0 writes, everyone waits)."""
     memory = EmbeddingMemory(memory_dir_of(manifest))
-    version = model_version_of(teacher_dir)
+    version = logged_version(teacher_dir, LOGGED_KIND)
     if is_main and version not in memory.model_versions():
         train, evaluation = load_splits(manifest.spec.data)
-        rows = log_stream(teacher, [train, evaluation], memory, version)
+        rows = log_stream(teacher, [train, evaluation], memory, version, kind=LOGGED_KIND)
         log.info("loopfm memory: logged %d embeddings of %s into %s", rows, version, memory.root)
     barrier()
     return memory, version
@@ -68,7 +68,7 @@ class LoopFMTask:
         self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
         self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
         self.teacher.to(device)
-        self.memory_dim = UserRepresentation(self.teacher).dim
+        self.memory_dim = UserRepresentation(self.teacher, LOGGED_KIND).dim
         self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)
         self.alpha = spec.distillation.alpha
         self.temperature = spec.distillation.temperature

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -95,6 +96,20 @@ class DeepSpeedMPU:
         return 1
 
 
+def skip_cpu_shm_comm() -> None:
+    """Keep DeepSpeed's CPU accelerator from JIT-compiling its shared-memory all-reduce op.
+
+    Its TorchBackend builds `deepspeed_shm_comm` with g++ whenever it starts on CPU (~40 s of both
+    cores; measured rebuilding 3 times in one test-suite run), yet only `inference_all_reduce` (AutoTP
+    inference) uses it: training collectives go through torch.distributed (gloo). DeepSpeed 0.19
+    has no switch for it, so mark the op incompatible in `deepspeed.ops.__compatible_ops__`, which
+    `deepspeed.comm.torch.build_shm_op` consults. No effect on GPU accelerators (no such op there).
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh, *, shards_outside: bool = False) -> DeepSpeedMPU:
     """Check the plan, point DeepSpeed's hpZ group at the plan's shard group, return the mpu.
 
@@ -104,6 +119,8 @@ def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh, *, shards_outside:
     """
     if not shards_outside:
         check_deepspeed_plan(plan)
+    if not torch.cuda.is_available():
+        skip_cpu_shm_comm()
     if plan.zero_stage == 3 and plan.hsdp_enabled:
         from deepspeed.utils import groups as ds_groups
 
