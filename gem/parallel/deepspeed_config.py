@@ -107,7 +107,9 @@ def skip_cpu_shm_comm() -> None:
     """
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):  # another DeepSpeed version: its default, and the test says so
+        compatible["deepspeed_shm_comm"] = False
 
 
 def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh, *, shards_outside: bool = False) -> DeepSpeedMPU:
