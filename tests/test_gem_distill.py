@@ -1,7 +1,6 @@
 """`gem distill`: a student learns from a trained GEM teacher found by GEMTraining name or MLflow URI."""
 
 import json
-import os
 
 import pytest
 import yaml
@@ -20,16 +19,8 @@ def write(tmp_path, obj):
     return path
 
 
-@pytest.fixture(autouse=True)
-def clean_env(tmp_path):
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+# every test runs `gem train` / `gem distill` in this process (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def distill_manifest(tmp_path, name, teacher, mlflow=None):

@@ -33,17 +33,8 @@ def manifest(tmp_path, name, *, steps=40, every=20, mlflow=None, **spec_override
     return path
 
 
-@pytest.fixture(autouse=True)
-def clean_env(tmp_path, monkeypatch):
-    """init_distributed writes RANK/WORLD_SIZE/MASTER_PORT into os.environ: undo it after each test."""
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+# every test runs `gem train` / `gem distill` in this process (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def termination(tmp_path):

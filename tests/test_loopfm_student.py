@@ -2,7 +2,6 @@
 `gem distill` with distillation.method: loopfm end to end on a tiny teacher."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -116,23 +115,11 @@ def test_loss_serving_head_sees_labels_only_and_adapter_targets_labels():
     assert head_grads[0].abs().sum() > 0 and torch.allclose(head_grads[0], head_grads[1])
 
 
-@pytest.fixture
-def clean_env(tmp_path):
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 DATA = {"synthetic": {"numUsers": 200, "numAds": 80, "numTrainExamples": 1500, "numEvalExamples": 500,
                       "meanHistoryLen": 12}}
 
 
-def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, clean_env):
+def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, trainer_env):
     monkeypatch.chdir(tmp_path)
     ckpt = str(tmp_path / "ckpt")
     teacher = tmp_path / "teacher.yaml"

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import os
 import re
 
 import pytest
@@ -70,21 +69,9 @@ def test_mxfp8_outputs_close_to_bf16_and_gradients_flow():
     assert first.weight.grad is not None and first.weight.grad.abs().sum() > 0
 
 
-@pytest.fixture
-def clean_env(tmp_path):
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MLFLOW_TRACKING_URI", "GEM_FAULT_AT_STEP"):
-        os.environ.pop(var, None)
-    os.environ["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("precision,zero", [("bf16", 0), ("bf16", 1), ("bf16", 2), ("bf16", 3),
                                             ("mxfp8", 3)])
-def test_training_runs(tmp_path, clean_env, precision, zero):
+def test_training_runs(tmp_path, trainer_env, precision, zero):
     from gem import cli
 
     name = f"p-{precision}-z{zero}"

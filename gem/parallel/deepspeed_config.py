@@ -103,8 +103,10 @@ def skip_cpu_shm_comm() -> None:
     cores; measured rebuilding 3 times in one test-suite run), yet only `inference_all_reduce` (AutoTP
     inference) uses it: training collectives go through torch.distributed (gloo). DeepSpeed 0.19
     has no switch for it, so mark the op incompatible in `deepspeed.ops.__compatible_ops__`, which
-    `deepspeed.comm.torch.build_shm_op` consults. No effect on GPU accelerators (no such op there).
+    `deepspeed.comm.torch.build_shm_op` consults. A no-op where CUDA is available (no such op there).
     """
+    if torch.cuda.is_available():
+        return
     import deepspeed.ops
 
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
@@ -121,8 +123,7 @@ def prepare_deepspeed(plan: ParallelPlan, mesh: ParallelMesh, *, shards_outside:
     """
     if not shards_outside:
         check_deepspeed_plan(plan)
-    if not torch.cuda.is_available():
-        skip_cpu_shm_comm()
+    skip_cpu_shm_comm()  # an engine on a group that init_distributed did not start (tests, notebooks)
     if plan.zero_stage == 3 and plan.hsdp_enabled:
         from deepspeed.utils import groups as ds_groups
 

@@ -78,8 +78,7 @@ def init_distributed() -> DistEnv:
 
     from gem.parallel.deepspeed_config import skip_cpu_shm_comm
 
-    if backend == "gloo":
-        skip_cpu_shm_comm()
+    skip_cpu_shm_comm()
     if not torch_dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, timeout=dt.timedelta(minutes=30),
                                    dist_init_required=True, verbose=False)
