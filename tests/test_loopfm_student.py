@@ -2,6 +2,7 @@
 `gem distill` with distillation.method: loopfm end to end on a tiny teacher."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,8 +120,7 @@ DATA = {"synthetic": {"numUsers": 200, "numAds": 80, "numTrainExamples": 1500, "
                       "meanHistoryLen": 12}}
 
 
-def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, trainer_env):
-    monkeypatch.chdir(tmp_path)
+def test_gem_distill_loopfm_end_to_end(tmp_path, trainer_env):
     ckpt = str(tmp_path / "ckpt")
     teacher = tmp_path / "teacher.yaml"
     teacher.write_text(yaml.safe_dump({
@@ -158,6 +158,17 @@ def test_gem_distill_loopfm_end_to_end(tmp_path, monkeypatch, trainer_env):
                        np.arange(16), max_seq_len=8)
     with torch.no_grad():
         assert torch.equal(loaded(batch)["click"], model(batch)["click"])
+
+    # A checkpoint of the first reader (ad ⊙ memory only: no campaign, no bilinear scores) loads as that reader.
+    from gem.train.checkpoint import MODEL_FILE
+
+    first = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, model.memory_dim,
+                                    memory_bilinear=False, memory_campaign=False)
+    torch.save(first.state_dict(), Path(report["checkpoint"]) / MODEL_FILE)
+    old, _ = load_loopfm_student(report["checkpoint"])
+    assert old.memory_score is None and not old.memory_campaign and old._memory is not None
+    with torch.no_grad():
+        assert torch.equal(old(batch)["click"], first.eval().attach_memory(old._memory)(batch)["click"])
 
 
 def _train_eval_click_ne(model, train, evaluation, steps=250):

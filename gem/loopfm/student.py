@@ -209,10 +209,9 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
     manifest = parse_object(read_manifest(ckpt))
     state = torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True)
     memory_dim = int(state["memory_proj.weight"].shape[1])
-    model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim)
-    if not any(k.startswith("memory_score.") for k in state):  # a checkpoint of the first reader (ad ⊙ mem only)
-        model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim,
-                                        memory_bilinear=False, memory_campaign=False)
+    first_reader = not any(k.startswith("memory_score.") for k in state)  # a checkpoint of the ad ⊙ mem reader
+    reader = dict(memory_bilinear=False, memory_campaign=False) if first_reader else {}
+    model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim, **reader)
     model.load_state_dict(state)
     memory_dir = Path(memory_dir) if memory_dir else ckpt.parent / "memory"
     if memory_dir.is_dir():
