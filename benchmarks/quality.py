@@ -14,15 +14,16 @@ examples in the same order, for the same number of steps, with the same optimize
    (NE of the world's true probabilities) and the share of the best baseline's gap to Bayes that
    GEM closes: (best_baseline_ne - gem_ne) / (best_baseline_ne - bayes_ne).
 2. **CompSkip** on vs off: GEM `small` with the same seed, data and steps;
-   `compskip_ne_delta_rel` = |NE(on) - NE(off)| / NE(off) on the headline NE.
+   `compskip_ne_delta_rel` = |NE(on) - NE(off)| / NE(off) on the headline NE, each the mean over
+   paired seeds (MODES[...]["compskip_seeds"]: init and data order; seed 0 is the main run).
 3. **Scaling**: NE against the history length the model reads (a grid of max_seq_len) for a few
    model widths, on a world with long histories (same seed, longer mean history).
 4. **MovieLens-100K** (gem.data.movielens: rating >= 4 is a click, 5 a conversion, time split):
    AUC and NE of GEM against both baselines (all three at the `tiny` width in `full`: the
    budget of a shared 2-core machine).
 
-Sizes per mode are in MODES; `full` is sized to what a shared 2-core machine finished in ~35 min
-(--jobs 4), which is far from convergence: see docs/quality.md before reading the numbers.
+Sizes per mode are in MODES; `full` (128k training impressions per model, CompSkip over three
+paired seeds) takes ~1 h on an idle 2-core machine with --jobs 2: see docs/quality.md.
 
 The training loop is `gem train`'s, minus DeepSpeed (a world of one): gem.data.ShardedLoader
 (seeded epoch permutations), gem.model.loss.multitask_bce (every task the model has a head for;
@@ -80,21 +81,21 @@ BASELINES = ("dlrm", "padded")
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         preset="tiny", world=dict(num_users=2000, num_ads=400, mean_history_len=24.0), eval_examples=1200,
-        steps=12, batch=32, max_seq_len=64, lr=2e-3, warmup=4,
+        steps=12, batch=32, max_seq_len=64, lr=2e-3, warmup=4, compskip_seeds=(0, 1),
         scaling=dict(preset="tiny", mean_history_len=32.0, lengths=(8, 32), dims=(16, 32), steps=6, batch=32,
                      eval_examples=500),
         movielens=dict(preset="tiny", steps=6, batch=32, max_seq_len=32, eval_examples=800),
     ),
     "quick": dict(
         preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=2000,
-        steps=30, batch=32, max_seq_len=128, lr=2e-3, warmup=3,
+        steps=30, batch=32, max_seq_len=128, lr=2e-3, warmup=3, compskip_seeds=(0,),
         scaling=dict(preset="tiny", mean_history_len=64.0, lengths=(16, 64), dims=(16, 32), steps=20,
                      batch=32, eval_examples=1000),
         movielens=dict(preset="tiny", steps=20, batch=64, max_seq_len=64, eval_examples=2000),
     ),
     "full": dict(
-        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=4000,
-        steps=160, batch=32, max_seq_len=128, lr=2e-3, warmup=8,
+        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=20000,
+        steps=1000, batch=128, max_seq_len=128, lr=2e-3, warmup=50, compskip_seeds=(0, 1, 2),
         scaling=dict(preset="tiny", mean_history_len=192.0, lengths=(16, 64, 256, 1024), dims=(16, 32, 64),
                      steps=80, batch=32, eval_examples=1500),
         movielens=dict(preset="tiny", steps=200, batch=64, max_seq_len=64, eval_examples=5000),
@@ -257,9 +258,10 @@ def load_data(data: dict[str, Any]) -> tuple[Examples, Examples]:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(job["threads"])
     train, eval_ = load_data(job["data"])
-    model = build(job["kind"], model_spec(job["preset"], job["max_seq_len"], job.get("embedding_dim")))
+    seed = job.get("seed", TRAIN_SEED)
+    model = build(job["kind"], model_spec(job["preset"], job["max_seq_len"], job.get("embedding_dim")), seed=seed)
     run = train_and_evaluate(model, train, eval_, steps=job["steps"], batch=job["batch"], lr=job["lr"],
-                             warmup=job["warmup"], max_seq_len=job["max_seq_len"])
+                             warmup=job["warmup"], max_seq_len=job["max_seq_len"], seed=seed)
     run["history_len"] = {"mean": float(train.seq_lengths.mean()), "p90": float(np.quantile(train.seq_lengths, 0.9)),
                           "max": int(train.seq_lengths.max())}
     run["examples"] = {"train": len(train), "eval": len(eval_)}
@@ -317,22 +319,56 @@ def plan_main(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
     spec = synthetic_spec(mode, mean_history_len=mode["world"]["mean_history_len"], train_examples=steps * batch,
                           eval_examples=mode["eval_examples"])
     data = {"source": "synthetic", "spec": spec.model_dump(mode="json")}
-    return {f"main/{kind}": dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"],
-                                 steps=steps, batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads)
-            for kind in (*MODELS, "gem_compskip_off")}
+
+    def job(kind: str, seed: int) -> dict[str, Any]:
+        return dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"], steps=steps,
+                    batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed)
+
+    jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in (*MODELS, "gem_compskip_off")}
+    # CompSkip on vs off again under other seeds (init and data order): the 0.1% bar is below the
+    # seed-to-seed spread of one run, so the comparison is a mean over paired seeds.
+    for seed in mode["compskip_seeds"]:
+        if seed != TRAIN_SEED:
+            jobs.update({f"compskip/s{seed}/{kind}": job(kind, seed) for kind in ("gem", "gem_compskip_off")})
+    return jobs
+
+
+def compskip_study(mode: dict[str, Any], runs: dict[str, dict[str, Any]],
+                   res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """CompSkip on vs off, paired by seed; the headline is the mean NE over the seeds."""
+    pairs = {seed: (runs["gem"], runs["gem_compskip_off"]) if seed == TRAIN_SEED else
+             (res[f"compskip/s{seed}/gem"], res[f"compskip/s{seed}/gem_compskip_off"])
+             for seed in mode["compskip_seeds"]}
+    per_seed = [{"seed": seed, "on": on["metrics"]["ne"], "off": off["metrics"]["ne"],
+                 "delta_rel": (on["metrics"]["ne"] - off["metrics"]["ne"]) / off["metrics"]["ne"],
+                 "train_seconds": {"on": on["train_seconds"], "off": off["train_seconds"]}}
+                for seed, (on, off) in pairs.items()]
+    ne_on = float(np.mean([p["on"] for p in per_seed]))
+    ne_off = float(np.mean([p["off"] for p in per_seed]))
+    deltas = np.array([p["delta_rel"] for p in per_seed])
+    tasks = [k for k in runs["gem"]["metrics"] if k.startswith("ne/") and k in runs["gem_compskip_off"]["metrics"]]
+    per_task = {}
+    for k in tasks:
+        on_k = float(np.mean([on["metrics"][k] for on, _ in pairs.values()]))
+        off_k = float(np.mean([off["metrics"][k] for _, off in pairs.values()]))
+        per_task[k] = {"on": _f(on_k), "off": _f(off_k), "delta_rel": _f((on_k - off_k) / off_k) if off_k else None}
+    ons = np.array([p["on"] for p in per_seed])
+    return {
+        "seeds": list(mode["compskip_seeds"]),
+        "ne_on": ne_on, "ne_off": ne_off,
+        "delta_rel": abs(ne_on - ne_off) / ne_off,
+        # the noise the bar sits in: how far one seed's paired difference, and one seed's NE, wander
+        "delta_rel_std_error": float(deltas.std(ddof=1) / math.sqrt(len(deltas))) if len(deltas) > 1 else None,
+        "gem_seed_spread_rel": float(ons.std(ddof=1) / ons.mean()) if len(ons) > 1 else None,
+        "per_seed": per_seed,
+        "per_task": per_task,
+    }
 
 
 def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, dict[str, Any]]) -> dict[str, Any]:
     runs = {k.split("/", 1)[1]: res[k] for k in jobs if k.startswith("main/")}
     ne, gap, beats = compare({k: runs[k] for k in MODELS})
-    on, off = runs["gem"]["metrics"], runs["gem_compskip_off"]["metrics"]
-    compskip = {
-        "ne_on": on["ne"], "ne_off": off["ne"],
-        "per_task": {k: {"on": _f(on[k]), "off": _f(off[k]),
-                         "delta_rel": _f((on[k] - off[k]) / off[k]) if off[k] else None}
-                     for k in on if k.startswith("ne/") and k in off},
-        "train_seconds": {"on": runs["gem"]["train_seconds"], "off": runs["gem_compskip_off"]["train_seconds"]},
-    }
+    compskip = compskip_study(mode, runs, res)
     job = jobs["main/gem"]
     return {
         "world": job["data"]["spec"],
@@ -342,7 +378,7 @@ def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[
                   "history_len": runs["gem"]["history_len"]},
         "ne": ne, "gap_closed": gap, "gem_beats_baselines": beats,
         "compskip": compskip,
-        "compskip_ne_delta_rel": abs(on["ne"] - off["ne"]) / off["ne"],
+        "compskip_ne_delta_rel": compskip["delta_rel"],
         "runs": {k: _summary(r) for k, r in runs.items()},
         "task_surface": {k: task_surface_ne(r["report"]) for k, r in runs.items()},
     }
@@ -568,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.quality" + {"smoke": " --smoke", "quick": " --quick", "full": ""}[name]
     doc: dict[str, Any] = {
         "command": command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+        + (f" --threads {args.threads}" if args.threads else "")
         + (f" --skip {' '.join(args.skip)}" if args.skip else ""),
         "mode": name,
         "world_seed": WORLD_SEED,

@@ -49,10 +49,17 @@ def test_quality_benchmark_smoke(tmp_path):
         best = min(row["dlrm"], row["padded"])
         assert math.isclose(doc["gap_closed"][key], (best - row["gem"]) / (best - row["bayes"]), rel_tol=1e-9)
 
-    on, off = doc["main"]["compskip"]["ne_on"], doc["main"]["compskip"]["ne_off"]
-    assert on == doc["main"]["runs"]["gem"]["metrics"]["ne"]
-    assert off == doc["main"]["runs"]["gem_compskip_off"]["metrics"]["ne"]
+    # CompSkip: paired seeds, seed 0 being the main runs; the headline is the mean over seeds.
+    cs = doc["main"]["compskip"]
+    assert [p["seed"] for p in cs["per_seed"]] == list(mode["compskip_seeds"]) and len(cs["per_seed"]) >= 2
+    first = cs["per_seed"][0]
+    assert first["on"] == doc["main"]["runs"]["gem"]["metrics"]["ne"]
+    assert first["off"] == doc["main"]["runs"]["gem_compskip_off"]["metrics"]["ne"]
+    assert len({p["on"] for p in cs["per_seed"]}) == len(cs["per_seed"])  # other seeds are other runs
+    on, off = np.mean([p["on"] for p in cs["per_seed"]]), np.mean([p["off"] for p in cs["per_seed"]])
+    assert math.isclose(cs["ne_on"], on, rel_tol=1e-12) and math.isclose(cs["ne_off"], off, rel_tol=1e-12)
     assert math.isclose(doc["compskip_ne_delta_rel"], abs(on - off) / off, rel_tol=1e-12)
+    assert _finite(cs["delta_rel_std_error"]) and cs["delta_rel_std_error"] >= 0
 
     sc = doc["scaling"]
     assert len(sc["grid"]) == len(mode["scaling"]["lengths"]) * len(mode["scaling"]["dims"])
