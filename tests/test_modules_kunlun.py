@@ -118,6 +118,39 @@ def test_flop_count_matches_pytorch_flop_counter(seq_ffn):
     assert fc.get_total_flops() == pytest.approx(counted, rel=1e-6)
 
 
+def test_wide_heads_add_a_logit_read_from_the_raw_tokens(batch):
+    """logits = deep heads over the trunk + wide heads over X⁰ (the embeddings as they are), and
+    wide_heads=False leaves only the deep term (no wide parameters, fewer counted FLOPs)."""
+    model = _model()
+    got = model(batch)
+    x0 = model.embeddings.non_sequence(batch)
+    wide = model.wide_heads(model.wide_norm(x0).flatten(1), batch.surface)
+    deep_only = copy.deepcopy(model)
+    deep_only.wide_heads = None
+    deep = deep_only(batch)
+    for t in got:
+        torch.testing.assert_close(got[t], deep[t] + wide[t])
+        assert not torch.allclose(wide[t], torch.zeros_like(wide[t]))
+    # The wide term reads X⁰ only: a different history changes the deep term, never the wide one.
+    shuffled = copy.copy(batch)
+    shuffled.sequences = {k: copy.copy(s) for k, s in batch.sequences.items()}
+    for s in shuffled.sequences.values():
+        s.ids = {t: i.flip(0) for t, i in s.ids.items()}
+    again = model.wide_heads(model.wide_norm(model.embeddings.non_sequence(shuffled)).flatten(1), shuffled.surface)
+    for t in got:
+        torch.testing.assert_close(again[t], wide[t])
+        assert not torch.allclose(model(shuffled)[t], got[t])
+    off = _model(dataclasses.replace(CFG, wide_heads=False))
+    assert off.wide_heads is None and not any(n.startswith("wide") for n, _ in off.named_parameters())
+    lengths = model.tier_lengths(batch)
+    extra = sum(model.flops(lengths).values()) - sum(off.flops(lengths).values())
+    assert extra == pytest.approx(model.wide_heads.flops(batch.size))
+    # The wide path trains the embeddings directly.
+    model.zero_grad()
+    model.wide_heads(model.wide_norm(model.embeddings.non_sequence(batch)).flatten(1), batch.surface)["conversion"].sum().backward()
+    assert model.embeddings.tables["item"].weight.grad.abs().sum() > 0
+
+
 def test_bf16_autocast_is_close_to_fp32(batch):
     model = _model()
     want = model(batch)

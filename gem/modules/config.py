@@ -154,6 +154,11 @@ class KunlunConfig:
     """Head experts per surface."""
     head_expert_dim: int = 64
     tower_dim: int = 32
+    wide_heads: bool = True
+    """A second set of task heads over the raw non-sequence tokens X⁰, added to the logits: the
+    memorisation path of Wide & Deep (docs/architecture.md §heads). Per-id effects (an ad's own
+    conversion rate) reach the logit through a small input instead of the deep head's flattened
+    trunk, whose noise hides them from a sparse label such as post-click conversion."""
     tasks: tuple[Task, ...] = FUNNEL_TASKS
 
     def __post_init__(self) -> None:

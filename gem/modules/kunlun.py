@@ -9,11 +9,14 @@
         S_sum_t = Gate(Proj([H_t ‖ last_K(S_t)]))            [B, n_out_t + K_t, d]
         X = LN(X + MoWE([X ‖ S_sum_all]))
     logits = Heads(flatten(LN([X ‖ Gate(LCE(X)) ‖ S_sum_all])), surface)
+           + WideHeads(flatten(LN(X⁰)), surface)                  (wide_heads; off: the first term)
 
 Within a global layer the personalised FFN runs before HSP, so the summary the interaction
 reads is already conditioned on the candidate (X_sum holds the candidate ad's tokens); with the
 opposite order a two-layer model would never give the interaction a candidate-aware summary.
-See docs/architecture.md for this and the other choices.
+The wide heads read the embeddings as they are, so a per-id effect (an ad's own conversion rate)
+needs no path through the trunk: without them GEM learned no post-click conversion from 128k
+impressions (docs/quality.md). See docs/architecture.md for this and the other choices.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ class KunlunModel(JaggedModule):
         self.head_norm = nn.LayerNorm(d)
         num_head_tokens = cfg.num_non_seq_tokens + cfg.num_sum_tokens + cfg.num_summary_tokens_total
         self.heads = MultiTaskHeads(num_head_tokens * d, cfg)
+        # Its own norm: LoopFM's logger hooks head_norm and expects one call per forward.
+        self.wide_norm = nn.LayerNorm(d) if cfg.wide_heads else None
+        self.wide_heads = MultiTaskHeads(cfg.num_non_seq_tokens * d, cfg) if cfg.wide_heads else None
 
     def encode(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, TierBatch]]:
         x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]; sparse-feature tokens come first
@@ -157,13 +163,18 @@ class KunlunModel(JaggedModule):
 
     def forward(self, inputs: GemInputs) -> dict[str, torch.Tensor]:
         """Logits per task, each float32 [B]."""
-        x, tiers = self.encode(inputs)
+        x0, tiers = self.encode(inputs)
+        x = x0
         cache: dict[str, torch.Tensor] = {}
         s_sum = None
         for layer in self.layers:
             x, tiers, s_sum = layer(x, tiers, cache)
         h = torch.cat([x, self.final_weight_gen(x), s_sum.to(x.dtype)], dim=1)  # [B, N_ns + n_sum + Σ(n_out+K), d]
-        return self.heads(self.head_norm(h).flatten(1), inputs.surface)
+        logits = self.heads(self.head_norm(h).flatten(1), inputs.surface)
+        if self.wide_heads is None:
+            return logits
+        wide = self.wide_heads(self.wide_norm(x0).flatten(1), inputs.surface)  # [B] per task
+        return {task: logits[task] + wide[task] for task in logits}
 
     def tp_plan(self, tp: int) -> dict[str, str]:
         """The layers tensor parallelism splits at degree tp (parallelize reads this; gem/parallel/tensor_parallel.py).
@@ -212,4 +223,6 @@ class KunlunModel(JaggedModule):
                 add_flops(acc, k, v)
         add_flops(acc, "weight_gen", self.final_weight_gen.flops(B, self.cfg.dim))
         add_flops(acc, "heads", self.heads.flops(B))
+        if self.wide_heads is not None:
+            add_flops(acc, "heads", self.wide_heads.flops(B))
         return acc
