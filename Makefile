@@ -47,7 +47,8 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.operator
 	-$(PY) -m benchmarks.transfer
 	-$(PY) -m benchmarks.solaris
-	-$(PY) -m benchmarks.quality
+	-$(PY) -m benchmarks.quality --jobs 2
+	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:
 	rm -rf $(VENV) .gem .pytest_cache
