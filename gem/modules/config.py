@@ -156,7 +156,7 @@ class KunlunConfig:
     tower_dim: int = 32
     wide_heads: bool = True
     """A second set of task heads over the raw non-sequence tokens X⁰, added to the logits: the
-    memorisation path of Wide & Deep (docs/architecture.md §heads). Per-id effects (an ad's own
+    memorisation path of Wide & Deep (docs/architecture.md §11). Per-id effects (an ad's own
     conversion rate) reach the logit through a small input instead of the deep head's flattened
     trunk, whose noise hides them from a sparse label such as post-click conversion."""
     tasks: tuple[Task, ...] = FUNNEL_TASKS
