@@ -49,6 +49,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -122,13 +123,15 @@ def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) 
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off, dlrm or padded; initialised under `seed`."""
+    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
         return GEMModel(cfg)
     if kind == "gem_compskip_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
+    if kind == "gem_wide_off":
+        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "dlrm":
         return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
     if kind == "padded":
@@ -139,17 +142,16 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
 # --------------------------------------------------------------------------- train + eval
 
 
-def train_and_evaluate(model: nn.Module, train: Examples, eval_: Examples, *, steps: int, batch: int, lr: float,
-                       warmup: int, max_seq_len: int, seed: int = TRAIN_SEED, bf16: bool = False) -> dict[str, Any]:
-    """Train `steps` steps, then evaluate on the whole eval split: metrics, eval report, timings."""
+def train_steps(model: nn.Module, train: Examples, *, steps: int, batch: int, lr: float, warmup: int,
+                max_seq_len: int, seed: int = TRAIN_SEED, bf16: bool = False) -> Iterator[tuple[int, float]]:
+    """The training loop (module docstring); yields (step, loss) after each optimizer step, so a
+    caller can evaluate along the way (benchmarks.wide_heads' learning curves)."""
     training = TrainingSpec(steps=steps, batch_size=batch, learning_rate=lr, warmup_steps=warmup, seed=seed)
     optimizer, scheduler = build_optimizer(model, training)
     loader = ShardedLoader(train, batch_size=batch, max_seq_len=max_seq_len, rank=0, world_size=1, seed=seed)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     model.train()
-    t0 = time.perf_counter()
-    losses = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         b = loader.next_batch()
         with autocast:
             loss, _ = multitask_bce(model(b), b)
@@ -159,8 +161,17 @@ def train_and_evaluate(model: nn.Module, train: Examples, eval_: Examples, *, st
             torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss.detach()))
+        yield step, float(loss.detach())
+
+
+def train_and_evaluate(model: nn.Module, train: Examples, eval_: Examples, *, steps: int, batch: int, lr: float,
+                       warmup: int, max_seq_len: int, seed: int = TRAIN_SEED, bf16: bool = False) -> dict[str, Any]:
+    """Train `steps` steps, then evaluate on the whole eval split: metrics, eval report, timings."""
+    t0 = time.perf_counter()
+    losses = [loss for _, loss in train_steps(model, train, steps=steps, batch=batch, lr=lr, warmup=warmup,
+                                              max_seq_len=max_seq_len, seed=seed, bf16=bf16)]
     train_s = time.perf_counter() - t0
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     model.eval()
 
     def predict(b):

@@ -21,7 +21,6 @@ Writes the JSON and `wide_heads.png` (the curves and the probe) beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -37,16 +36,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import quality as Q  # noqa: E402
-from gem.api.types import TrainingSpec  # noqa: E402
-from gem.data import Examples, ShardedLoader  # noqa: E402
+from gem.data import Examples  # noqa: E402
 from gem.data.parquet import slice_examples  # noqa: E402
 from gem.eval.evaluate import FUNNEL, collect_predictions, metrics_from_predictions  # noqa: E402
 from gem.model import config_from_spec, kunlun_config  # noqa: E402
-from gem.model.loss import multitask_bce  # noqa: E402
-from gem.modules import KunlunModel, from_v1_batch  # noqa: E402
+from gem.modules import from_v1_batch  # noqa: E402
 from gem.modules.embeddings import FeatureEmbeddings  # noqa: E402
 from gem.modules.heads import MultiTaskHeads  # noqa: E402
-from gem.train.optim import build_optimizer  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(preset="tiny", world=Q.MODES["smoke"]["world"], steps=6, every=3, batch=32, max_seq_len=64,
@@ -75,23 +71,18 @@ class EmbeddingsOnly(nn.Module):
 
 
 def build(kind: str, mode: dict[str, Any], seed: int = Q.TRAIN_SEED) -> nn.Module:
+    """noise<k> (EmbeddingsOnly with k noise tokens), else benchmarks.quality's model kinds."""
     spec = Q.model_spec(mode["preset"], mode["max_seq_len"])
-    if kind in ("gem", "dlrm"):
+    if not kind.startswith("noise"):
         return Q.build(kind, spec, seed=seed)
-    cfg = config_from_spec(spec)
     torch.manual_seed(seed)
-    if kind == "gem_wide_off":
-        return Q.OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
-    if kind.startswith("noise"):
-        return EmbeddingsOnly(kunlun_config(cfg), int(kind[len("noise"):]))
-    raise ValueError(f"unknown model kind {kind!r}")
+    return EmbeddingsOnly(kunlun_config(config_from_spec(spec)), int(kind[len("noise"):]))
 
 
 def _ne(model: nn.Module, examples: Examples, max_seq_len: int) -> dict[str, float]:
     model.eval()
-    with torch.no_grad():
-        preds = collect_predictions(model, examples, max_seq_len=max_seq_len, rank=0, world_size=1,
-                                    device=torch.device("cpu"))
+    preds = collect_predictions(model, examples, max_seq_len=max_seq_len, rank=0, world_size=1,
+                                device=torch.device("cpu"))
     model.train()
     m = metrics_from_predictions([preds])
     return {t: float(m[f"ne/{t}"]) for t in FUNNEL if f"ne/{t}" in m}
@@ -105,20 +96,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     seen = slice_examples(train, np.arange(min(len(train), mode["eval_examples"])))  # trained on by the end
     model = build(job["kind"], mode)
     steps = job["steps"]
-    training = TrainingSpec(steps=steps, batch_size=mode["batch"], learning_rate=mode["lr"],
-                            warmup_steps=mode["warmup"], seed=Q.TRAIN_SEED)
-    optimizer, scheduler = build_optimizer(model, training)
-    loader = ShardedLoader(train, batch_size=mode["batch"], max_seq_len=mode["max_seq_len"], rank=0, world_size=1,
-                           seed=Q.TRAIN_SEED)
     curve, t0 = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        b = loader.next_batch()
-        loss, _ = multitask_bce(model(b), b)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
-        optimizer.step()
-        scheduler.step()
+    for step, _ in Q.train_steps(model, train, steps=steps, batch=mode["batch"], lr=mode["lr"], warmup=mode["warmup"],
+                                 max_seq_len=mode["max_seq_len"]):
         if step % job["every"] == 0 or step == steps:
             curve.append({"step": step, "eval": _ne(model, eval_, mode["max_seq_len"]),
                           "train": _ne(model, seen, mode["max_seq_len"])})
