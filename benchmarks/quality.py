@@ -2,7 +2,7 @@
 
     python -m benchmarks.quality [--quick | --smoke] [--jobs N] [--out benchmarks/results/quality.json]
 
-Results and how to read them: docs/quality.md (the reported run: `--jobs 4`).
+Results and how to read them: docs/quality.md (the reported run: `--jobs 2 --threads 1`).
 
 Four studies, all in one process, each model trained by the same loop (below) on the same
 examples in the same order, for the same number of steps, with the same optimizer:
@@ -12,18 +12,24 @@ examples in the same order, for the same number of steps, with the same optimize
    same GEM with padded dense attention (gem.baselines.PaddedKunlunModel). NE per task and
    surface (tasks and surfaces as gem.eval's report finds them in the data), the Bayes-optimal NE
    (NE of the world's true probabilities) and the share of the best baseline's gap to Bayes that
-   GEM closes: (best_baseline_ne - gem_ne) / (best_baseline_ne - bayes_ne).
-2. **CompSkip** on vs off: GEM `small` with the same seed, data and steps;
+   GEM closes: (best_baseline_ne - gem_ne) / (best_baseline_ne - bayes_ne). Every model is
+   trained under each of MODES[...]["seeds"] (init and data order, paired across models; seed 0
+   is the main run) and every NE is the mean over those seeds, with GEM's paired per-seed
+   difference to each baseline and its standard error (`main.paired_diff`). `main.ceiling`
+   splits the Bayes gap: logistic regressions on the world's own logit terms
+   (gem.data.synthetic.SyntheticWorld.logit_terms), with and without the latent user x campaign
+   affinity, show how much of the gap no single example's features reveal.
+2. **CompSkip** on vs off: GEM `small` with the same seeds, data and steps;
    `compskip_ne_delta_rel` = |NE(on) - NE(off)| / NE(off) on the headline NE, each the mean over
-   paired seeds (MODES[...]["compskip_seeds"]: init and data order; seed 0 is the main run).
+   the paired seeds.
 3. **Scaling**: NE against the history length the model reads (a grid of max_seq_len) for a few
    model widths, on a world with long histories (same seed, longer mean history).
 4. **MovieLens-100K** (gem.data.movielens: rating >= 4 is a click, 5 a conversion, time split):
    AUC and NE of GEM against both baselines (all three at the `tiny` width in `full`: the
    budget of a shared 2-core machine).
 
-Sizes per mode are in MODES; `full` (128k training impressions per model, CompSkip over three
-paired seeds) takes ~1 h on an idle 2-core machine with --jobs 2: see docs/quality.md.
+Sizes per mode are in MODES; `full` (128k training impressions per model, every model over three
+paired seeds) takes ~1.5 h on an idle 2-core machine with --jobs 2: see docs/quality.md.
 
 The training loop is `gem train`'s, minus DeepSpeed (a world of one): gem.data.ShardedLoader
 (seeded epoch permutations), gem.model.loss.multitask_bce (every task the model has a head for;
@@ -55,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -65,6 +72,7 @@ from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel  # noqa: E402
 from gem.data import Examples, ShardedLoader  # noqa: E402
 from gem.data.synthetic import SyntheticWorld  # noqa: E402
 from gem.eval.evaluate import collect_predictions, metrics_from_predictions  # noqa: E402
+from gem.eval.metrics import normalized_entropy  # noqa: E402
 from gem.eval.report import build_eval_report  # noqa: E402
 from gem.model import GEMModel, config_from_spec, kunlun_config  # noqa: E402
 from gem.model.loss import multitask_bce  # noqa: E402
@@ -82,21 +90,21 @@ BASELINES = ("dlrm", "padded")
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         preset="tiny", world=dict(num_users=2000, num_ads=400, mean_history_len=24.0), eval_examples=1200,
-        steps=12, batch=32, max_seq_len=64, lr=2e-3, warmup=4, compskip_seeds=(0, 1),
+        steps=12, batch=32, max_seq_len=64, lr=2e-3, warmup=4, seeds=(0, 1),
         scaling=dict(preset="tiny", mean_history_len=32.0, lengths=(8, 32), dims=(16, 32), steps=6, batch=32,
                      eval_examples=500),
         movielens=dict(preset="tiny", steps=6, batch=32, max_seq_len=32, eval_examples=800),
     ),
     "quick": dict(
         preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=2000,
-        steps=30, batch=32, max_seq_len=128, lr=2e-3, warmup=3, compskip_seeds=(0,),
+        steps=30, batch=32, max_seq_len=128, lr=2e-3, warmup=3, seeds=(0,),
         scaling=dict(preset="tiny", mean_history_len=64.0, lengths=(16, 64), dims=(16, 32), steps=20,
                      batch=32, eval_examples=1000),
         movielens=dict(preset="tiny", steps=20, batch=64, max_seq_len=64, eval_examples=2000),
     ),
     "full": dict(
         preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=20000,
-        steps=1000, batch=128, max_seq_len=128, lr=2e-3, warmup=50, compskip_seeds=(0, 1, 2),
+        steps=1000, batch=128, max_seq_len=128, lr=2e-3, warmup=50, seeds=(0, 1, 2),
         scaling=dict(preset="tiny", mean_history_len=192.0, lengths=(16, 64, 256, 1024), dims=(16, 32, 64),
                      steps=80, batch=32, eval_examples=1500),
         movielens=dict(preset="tiny", steps=200, batch=64, max_seq_len=64, eval_examples=5000),
@@ -206,14 +214,28 @@ def task_surface_ne(report: dict[str, Any]) -> dict[str, dict[str, float | None]
     return out
 
 
-def compare(runs: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
-    """(ne map, gap-closed map, beats map) over every task/surface of GEM's report."""
-    per = {k: task_surface_ne(r["report"]) for k, r in runs.items()}
-    ne, gap, beats = {}, {}, {}
-    for key, g in per["gem"].items():
-        row = {m: per[m].get(key, {}).get("ne") for m in MODELS}
+def compare(seed_runs: list[dict[str, dict[str, Any]]]) -> tuple[dict, dict, dict, dict, dict]:
+    """Over every task/surface of GEM's report, from one {model: run} per seed:
+    (ne: the mean over seeds, gap closed, beats, ne_by_seed, paired: GEM minus each baseline).
+
+    One seed's NE wanders by more than the models differ (docs/quality.md), so every figure is a
+    mean over paired seeds (same init seed and data order for every model), and `paired` gives
+    the mean and standard error of GEM's per-seed difference to each baseline (negative: GEM better).
+    """
+    pers = [{k: task_surface_ne(r["report"]) for k, r in runs.items()} for runs in seed_runs]
+    ne, gap, beats, by_seed, paired = {}, {}, {}, {}, {}
+    for key, g in pers[0]["gem"].items():
+        by_seed[key] = {m: [per[m].get(key, {}).get("ne") for per in pers] for m in MODELS}
+        row = {m: (float(np.mean(v)) if all(x is not None for x in v) else None) for m, v in by_seed[key].items()}
         row["bayes"] = g["bayes"]
         ne[key] = row
+        paired[key] = {}
+        for b in BASELINES:
+            if row["gem"] is None or row[b] is None:
+                continue
+            d = np.array(by_seed[key]["gem"]) - np.array(by_seed[key][b])
+            paired[key][b] = {"mean": float(d.mean()),
+                              "std_error": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None}
         base = [row[m] for m in BASELINES if row[m] is not None]
         if row["gem"] is None or not base:
             gap[key], beats[key] = None, None
@@ -224,7 +246,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
             gap[key] = (best - row["gem"]) / (best - row["bayes"])
         else:
             gap[key] = None
-    return ne, gap, beats
+    return ne, gap, beats, by_seed, paired
 
 
 # --------------------------------------------------------------------------- studies
@@ -335,21 +357,27 @@ def plan_main(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
         return dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"], steps=steps,
                     batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed)
 
-    jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in (*MODELS, "gem_compskip_off")}
-    # CompSkip on vs off again under other seeds (init and data order): the 0.1% bar is below the
-    # seed-to-seed spread of one run, so the comparison is a mean over paired seeds.
-    for seed in mode["compskip_seeds"]:
+    kinds = (*MODELS, "gem_compskip_off")
+    jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in kinds}
+    # Every model again under other seeds (init and data order): one run's NE wanders by more than
+    # the models differ, so comparisons are means over paired seeds.
+    for seed in mode["seeds"]:
         if seed != TRAIN_SEED:
-            jobs.update({f"compskip/s{seed}/{kind}": job(kind, seed) for kind in ("gem", "gem_compskip_off")})
+            jobs.update({f"seeds/s{seed}/{kind}": job(kind, seed) for kind in kinds})
     return jobs
 
 
-def compskip_study(mode: dict[str, Any], runs: dict[str, dict[str, Any]],
-                   res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def runs_by_seed(mode: dict[str, Any], res: dict[str, dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """{seed: {model kind: run}} of the main comparison; seed 0's runs are the main/ jobs."""
+    kinds = (*MODELS, "gem_compskip_off")
+    return {seed: {k: res[f"main/{k}" if seed == TRAIN_SEED else f"seeds/s{seed}/{k}"] for k in kinds}
+            for seed in mode["seeds"]}
+
+
+def compskip_study(by_seed: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """CompSkip on vs off, paired by seed; the headline is the mean NE over the seeds."""
-    pairs = {seed: (runs["gem"], runs["gem_compskip_off"]) if seed == TRAIN_SEED else
-             (res[f"compskip/s{seed}/gem"], res[f"compskip/s{seed}/gem_compskip_off"])
-             for seed in mode["compskip_seeds"]}
+    pairs = {seed: (runs["gem"], runs["gem_compskip_off"]) for seed, runs in by_seed.items()}
+    runs = by_seed[TRAIN_SEED]
     per_seed = [{"seed": seed, "on": on["metrics"]["ne"], "off": off["metrics"]["ne"],
                  "delta_rel": (on["metrics"]["ne"] - off["metrics"]["ne"]) / off["metrics"]["ne"],
                  "train_seconds": {"on": on["train_seconds"], "off": off["train_seconds"]}}
@@ -365,7 +393,7 @@ def compskip_study(mode: dict[str, Any], runs: dict[str, dict[str, Any]],
         per_task[k] = {"on": _f(on_k), "off": _f(off_k), "delta_rel": _f((on_k - off_k) / off_k) if off_k else None}
     ons = np.array([p["on"] for p in per_seed])
     return {
-        "seeds": list(mode["compskip_seeds"]),
+        "seeds": list(by_seed),
         "ne_on": ne_on, "ne_off": ne_off,
         "delta_rel": abs(ne_on - ne_off) / ne_off,
         # the noise the bar sits in: how far one seed's paired difference, and one seed's NE, wander
@@ -376,10 +404,66 @@ def compskip_study(mode: dict[str, Any], runs: dict[str, dict[str, Any]],
     }
 
 
+# Logit terms a predictor is given in each row of the gap split (SyntheticWorld.logit_terms).
+GAP_SPLIT = {"without_affinity": ("affinity_campaign", "affinity_ad"), "with_campaign_affinity": ("affinity_ad",)}
+
+
+def _logistic_ne(x_train: np.ndarray, y_train: np.ndarray, x_eval: np.ndarray, y_eval: np.ndarray) -> float:
+    """NE on eval of a logistic regression fitted on train (a handful of columns: L-BFGS in
+    float64 is exact and takes a second; not worth a scikit-learn dependency)."""
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-12
+    xt, xe = (torch.as_tensor((x - mu) / sd, dtype=torch.float64) for x in (x_train, x_eval))
+    yt = torch.as_tensor(y_train, dtype=torch.float64)
+    w = torch.zeros(xt.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(xt @ w[1:] + w[0], yt)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        p = torch.sigmoid(xe @ w[1:] + w[0]).numpy()
+    return float(normalized_entropy(y_eval, p))
+
+
+def gap_split(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per task: NE of logistic regressions given the world's exact logit terms, all but the
+    latent affinity ("without_affinity") or all but its ad-specific part ("with_campaign_affinity"),
+    beside the Bayes-optimal NE. The terms are the truth, so these predictors know more than any
+    model does (exact per-id biases, the exact history term); what separates them from Bayes is
+    the user x ad affinity, which no single example's features reveal and a model must learn
+    across examples (a user's interests from their histories, an ad's from who engages with it)."""
+    world = SyntheticWorld(SyntheticDataSpec(**data["spec"]))
+    train, eval_ = load_data(data)
+    terms = {"train": world.logit_terms(train), "eval": world.logit_terms(eval_)}
+    out: dict[str, dict[str, float]] = {}
+    for task in ("click", "conversion", "dwell"):
+        cols, rows = {}, {}
+        for split, ex in (("train", train), ("eval", eval_)):
+            t = {k: v for k, v in terms[split][task].items() if k != "intercept"}
+            if task == "conversion":  # the label is sigmoid(logit) x P(converted within the window)
+                t["window"] = np.log(world.conversion_window_prob(ex.objective))
+            cols[split] = t
+            rows[split] = ex.click > 0 if task == "conversion" else np.ones(len(ex), bool)
+        y = {split: getattr(ex, task)[rows[split]] for split, ex in (("train", train), ("eval", eval_))}
+        p_true = getattr(eval_, f"p_{task}")[rows["eval"]]
+        row = {"bayes": float(normalized_entropy(y["eval"], p_true))}
+        for name, hidden in GAP_SPLIT.items():
+            keep = [k for k in cols["train"] if k not in hidden]
+            x = {split: np.stack([cols[split][k][rows[split]] for k in keep], 1) for split in cols}
+            row[name] = _logistic_ne(x["train"], y["train"], x["eval"], y["eval"])
+        out[task] = row
+    return out
+
+
 def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    runs = {k.split("/", 1)[1]: res[k] for k in jobs if k.startswith("main/")}
-    ne, gap, beats = compare({k: runs[k] for k in MODELS})
-    compskip = compskip_study(mode, runs, res)
+    by_seed = runs_by_seed(mode, res)
+    runs = by_seed[TRAIN_SEED]
+    ne, gap, beats, ne_by_seed, paired = compare([{k: r[k] for k in MODELS} for r in by_seed.values()])
+    compskip = compskip_study(by_seed)
     job = jobs["main/gem"]
     return {
         "world": job["data"]["spec"],
@@ -387,7 +471,10 @@ def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[
                   "max_seq_len": job["max_seq_len"], "lr": job["lr"], "warmup_steps": job["warmup"],
                   "train_examples": runs["gem"]["examples"]["train"], "eval_examples": runs["gem"]["examples"]["eval"],
                   "history_len": runs["gem"]["history_len"]},
+        "seeds": list(by_seed),
         "ne": ne, "gap_closed": gap, "gem_beats_baselines": beats,
+        "ne_by_seed": ne_by_seed, "paired_diff": paired,
+        "gap_split": gap_split(job["data"]),
         "compskip": compskip,
         "compskip_ne_delta_rel": compskip["delta_rel"],
         "runs": {k: _summary(r) for k, r in runs.items()},

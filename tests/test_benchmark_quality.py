@@ -41,17 +41,37 @@ def test_quality_benchmark_smoke(tmp_path):
     expected = {f"{t}/{s}" for t in tasks for s in ["all", *surfaces]}
     assert set(doc["ne"]) == expected
 
+    # Every NE is the mean over the paired seeds; seed 0's is the main runs' own report.
+    seeds = list(mode["seeds"])
+    assert doc["main"]["seeds"] == seeds and len(seeds) >= 2
     for key, row in doc["ne"].items():
         assert set(row) == {"gem", "dlrm", "padded", "bayes"}, key
         assert all(_finite(v) for v in row.values()), (key, row)
+        by_seed = doc["main"]["ne_by_seed"][key]
         for model in ("gem", "dlrm", "padded"):
             assert row["bayes"] <= row[model], (key, row)
+            assert len(by_seed[model]) == len(seeds) and math.isclose(row[model], np.mean(by_seed[model]), rel_tol=1e-12)
+            assert by_seed[model][0] == doc["main"]["task_surface"][model][key]["ne"]
+        assert len(set(by_seed["gem"])) == len(seeds)  # other seeds are other runs
         best = min(row["dlrm"], row["padded"])
         assert math.isclose(doc["gap_closed"][key], (best - row["gem"]) / (best - row["bayes"]), rel_tol=1e-9)
+        for b in ("dlrm", "padded"):
+            d = np.array(by_seed["gem"]) - np.array(by_seed[b])
+            pd = doc["main"]["paired_diff"][key][b]
+            assert math.isclose(pd["mean"], d.mean(), rel_tol=1e-9, abs_tol=1e-12)
+            assert math.isclose(pd["std_error"], d.std(ddof=1) / math.sqrt(len(d)), rel_tol=1e-9, abs_tol=1e-12)
+
+    # Gap split: predictors given the world's true logit terms. More terms, lower NE; never below
+    # Bayes (up to the sampling noise of a fit), and Bayes is the report's.
+    split = doc["main"]["gap_split"]
+    assert set(split) == set(tasks)
+    for task, row in split.items():
+        assert math.isclose(row["bayes"], doc["ne"][f"{task}/all"]["bayes"], rel_tol=1e-6)
+        assert row["bayes"] - 0.01 < row["with_campaign_affinity"] < row["without_affinity"] < 1.0, (task, row)
 
     # CompSkip: paired seeds, seed 0 being the main runs; the headline is the mean over seeds.
     cs = doc["main"]["compskip"]
-    assert [p["seed"] for p in cs["per_seed"]] == list(mode["compskip_seeds"]) and len(cs["per_seed"]) >= 2
+    assert [p["seed"] for p in cs["per_seed"]] == seeds
     first = cs["per_seed"][0]
     assert first["on"] == doc["main"]["runs"]["gem"]["metrics"]["ne"]
     assert first["off"] == doc["main"]["runs"]["gem_compskip_off"]["metrics"]["ne"]

@@ -188,6 +188,27 @@ def test_every_knob_changes_the_data(knob, value):
     assert changed, knob
 
 
+def test_logit_terms_add_up_to_the_stored_probabilities(splits):
+    """SyntheticWorld.logit_terms recomputes each task's logit from the examples alone, term by term."""
+    world, (train, _) = SyntheticWorld(SPEC), splits
+    terms = world.logit_terms(train)
+    logit = {task: sum(t.values()) for task, t in terms.items()}
+    sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+    np.testing.assert_allclose(sigmoid(logit["click"]), train.p_click, atol=1e-5)
+    np.testing.assert_allclose(sigmoid(logit["dwell"]), train.p_dwell, atol=1e-5)
+    window = world.conversion_window_prob(train.objective)
+    np.testing.assert_allclose(sigmoid(logit["conversion"]) * window, train.p_conversion, atol=1e-5)
+    # Affinity splits into the campaign's part and the ad's own, adding up to the world's affinity.
+    aff = world.affinity(train.user_id, train.ad_id, train.request_time)
+    np.testing.assert_allclose(terms["click"]["affinity_campaign"] + terms["click"]["affinity_ad"], aff, atol=1e-12)
+    assert np.corrcoef(terms["click"]["affinity_campaign"], aff)[0, 1] > 0.6
+    # The history term is nonzero exactly where a past event was on the candidate's campaign.
+    lengths = np.diff(train.seq_offsets)
+    match = np.bincount(np.repeat(np.arange(len(train)), lengths),
+                        weights=train.seq_campaign_id == np.repeat(train.campaign_id, lengths), minlength=len(train))
+    assert np.array_equal(terms["click"]["history"] > 0, match > 0)
+
+
 def test_history_moves_the_click_probability():
     """Recent events on the candidate's campaign raise p_click: the sequence carries signal."""
     world = SyntheticWorld(SPEC)

@@ -4,6 +4,7 @@ block attention layer, OneSeq encoder and the multi-task heads."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from torch.nn import functional as F
 
 from gem.modules import PRESETS, set_kernel
 from gem.modules.attention import BlockAttentionLayer
+from gem.modules.common import block_pairs
 from gem.modules.heads import MultiTaskHeads, multitask_loss
 from gem.modules.hsp import HierarchicalSeedPooling, SumKronLinear
 from gem.modules.mowe import MixtureOfWukongExperts
@@ -20,7 +22,7 @@ from gem.modules.pffn import PersonalizedFFN, TokenFFN
 from gem.modules.wukong import WukongLayer
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.inputs import EventSequence, GemInputs, single_id_bag
-from gem.ops import Kernel
+from gem.ops import Kernel, plan_blocks
 from gem.ops.testing import make_offsets
 
 CFG = PRESETS["tiny"]
@@ -168,11 +170,16 @@ def test_token_ffn_baseline_is_the_pffn_block_with_one_static_ffn(lengths, seed)
 
 
 @FAST
-@given(lengths=lengths_st, shift=st.sampled_from([0, 8]), seed=st.integers(0, 100))
-def test_block_attention_layer_kernels_and_batch_independence(lengths, shift, seed):
+@given(lengths=lengths_st, shift=st.sampled_from([0, 8]), align=st.sampled_from(["start", "end"]),
+       seed=st.integers(0, 100))
+def test_block_attention_layer_kernels_and_batch_independence(lengths, shift, align, seed):
     torch.manual_seed(seed)
-    layer = BlockAttentionLayer(TIER, shift=shift)
+    tier = dataclasses.replace(TIER, block_align=align)
+    layer = BlockAttentionLayer(tier, shift=shift)
     tb = _tier_batch(lengths, seed)
+    # The FLOP count's (query, key) pairs are the blocks the kernel actually builds.
+    plan = plan_blocks(tb.offsets, tier.block_size, shift=shift, align=align)
+    assert block_pairs(tb.offsets.diff(), tier.block_size, shift, align) == float((plan.valid.sum(1) ** 2).sum())
     out = _kernel_pair(layer, [tb.values], lambda m, v: m(tb.replace_values(v)))[0]
     for b, n in enumerate(lengths):
         lo = int(tb.offsets[b])

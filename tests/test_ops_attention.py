@@ -60,8 +60,8 @@ def test_bucket_plan_covers_every_row_once_and_bounds_padding():
 
 @FAST
 @given(lengths=lengths_st, block=st.sampled_from([4, 16, 64]), shift_frac=st.floats(0, 0.99),
-       seed=st.integers(0, 10_000))
-def test_block_attention_matches_reference(lengths, block, shift_frac, seed):
+       align=st.sampled_from(["start", "end"]), seed=st.integers(0, 10_000))
+def test_block_attention_matches_reference(lengths, block, shift_frac, align, seed):
     offsets = make_offsets(lengths)
     shift = int(shift_frac * block)
     q, k, v = _qkv(sum(lengths), seed=seed)
@@ -69,7 +69,7 @@ def test_block_attention_matches_reference(lengths, block, shift_frac, seed):
     phase = torch.rand(sum(lengths), generator=g) * 50
 
     def run(kernel):
-        return lambda q, k, v: block_attention(q, k, v, offsets, block_size=block, shift=shift,
+        return lambda q, k, v: block_attention(q, k, v, offsets, block_size=block, shift=shift, align=align,
                                                rotary_phase=phase, kernel=kernel)
 
     assert_fwd_bwd_close(run(Kernel.PYTORCH), run(Kernel.TILED), [q, k, v])
@@ -99,6 +99,33 @@ def test_block_plan_pads_only_to_a_block_multiple():
     assert plan.block_segment.tolist() == [0, 1, 2, 2, 4, 4, 4, 4]
     shifted = plan_blocks(offsets, 64, shift=32)
     assert shifted.num_blocks == 1 + 2 + 2 + 0 + 4
+    ended = plan_blocks(offsets, 64, align="end")
+    assert ended.num_blocks == plan.num_blocks
+    # The last (newest) block of every segment is full unless the segment is shorter than a block.
+    last = {int(seg): i for i, seg in enumerate(ended.block_segment)}
+    assert [int(ended.valid[last[b]].sum()) for b in (0, 1, 2, 4)] == [1, 64, 64, 64]
+    assert [int(plan.valid[last[b]].sum()) for b in (0, 1, 2, 4)] == [1, 64, 1, 8]
+
+
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one query row [H, dh] over keys/values [n, H, dh] -> [H, dh]."""
+    w = torch.softmax(torch.einsum("hd,jhd->hj", q, k) * q.shape[-1] ** -0.5, dim=-1)
+    return torch.einsum("hj,jhd->hd", w, v)
+
+
+def test_end_aligned_blocks_give_the_newest_event_the_newest_block_of_keys():
+    lengths = [70, 200, 10]
+    offsets = make_offsets(lengths)
+    q, k, v = _qkv(sum(lengths))
+    for kernel in (Kernel.PYTORCH, Kernel.TILED):
+        out = block_attention(q, k, v, offsets, block_size=64, align="end", kernel=kernel)
+        for b, L in enumerate(lengths):
+            hi = int(offsets[b + 1])
+            keys = slice(hi - min(L, 64), hi)  # the newest min(L, 64) events
+            torch.testing.assert_close(out[hi - 1], _one_query(q[hi - 1], k[keys], v[keys]), atol=1e-5, rtol=1e-4)
+    # Start-aligned, the newest of 70 events sits in a block of 6.
+    start = block_attention(q, k, v, offsets, block_size=64, align="start")
+    torch.testing.assert_close(start[69], _one_query(q[69], k[64:70], v[64:70]), atol=1e-5, rtol=1e-4)
 
 
 def test_time_rotary_matches_reference_keeps_norms_and_is_relative():
@@ -125,3 +152,5 @@ def test_dispatchers_reject_bad_shapes():
         block_attention(q, k[:5], v, make_offsets([10]))
     with pytest.raises(ValueError, match="shift"):
         block_attention(q, k, v, make_offsets([10]), block_size=4, shift=4)
+    with pytest.raises(ValueError, match="align"):
+        block_attention(q, k, v, make_offsets([10]), block_size=4, align="middle")

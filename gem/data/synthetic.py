@@ -65,6 +65,8 @@ CLICK_SURFACE_BIAS = np.array([0.0, -0.3, -0.5, -1.0])  # off-site placements ar
 DWELL_SURFACE_BIAS = np.array([0.0, 0.4, 0.6, -0.5])  # full-screen stories/reels hold the eye longest
 CVR_SURFACE_BIAS = np.array([0.0, -0.1, -0.2, -0.4])
 CVR_OBJECTIVE_BIAS = np.array([0.0, 0.7])  # an install is a smaller step than a purchase
+CLICK_INTERCEPT, CVR_INTERCEPT, DWELL_INTERCEPT = -3.0, -1.8, -0.6
+CAMPAIGN_SHARE = 0.8  # ad latent = 0.8 x its campaign's latent + 0.6 x its own (0.8² + 0.6² = 1)
 INSTALL_DELAY_FACTOR = 0.1  # installs land ~10x sooner than off-site purchases
 SURFACE_CONCENTRATION = 4.0  # Dirichlet total of a user's surface mix around spec.surface_mix
 START_TIME = 1_700_000_000  # requests span the month after this
@@ -130,7 +132,7 @@ class SyntheticWorld:
         self.campaign_objective = (rng.random(C) < spec.install_share).astype(np.int64)  # [C]
 
         self.campaign_latent = rng.normal(size=(C, k))  # [C, k]
-        self.ad_latent = 0.8 * self.campaign_latent[self.ad_campaign] + 0.6 * rng.normal(size=(self.num_ads, k))
+        self.ad_latent = CAMPAIGN_SHARE * self.campaign_latent[self.ad_campaign] + 0.6 * rng.normal(size=(self.num_ads, k))
         self.ad_quality = rng.normal(0.0, 0.5, self.num_ads)  # [A], click bias
         self.ad_cvr_bias = rng.normal(0.0, 0.7, self.num_ads)  # [A]
         self.ad_dwell_bias = rng.normal(0.0, 0.5, self.num_ads)  # [A], how eye-catching the creative is
@@ -198,6 +200,45 @@ class SyntheticWorld:
             match &= np.isin(seq_type, types)
         w = EVENT_TYPE_WEIGHT[seq_type] * np.exp(-np.asarray(seq_age, np.float32) / np.float32(HISTORY_DECAY_S)) * match
         return np.bincount(seq_owner, weights=w, minlength=len(ex_ads))  # [N]
+
+    def logit_terms(self, ex: Examples) -> dict[str, dict[str, np.ndarray]]:
+        """The true logit of every task split into its additive terms, float64 [N] each:
+        {"click" | "conversion" | "dwell": {term: values}}; the terms of a task sum to its logit
+        (conversion: the logit of p_eventual; p_conversion = sigmoid(logit) x conversion_window_prob).
+
+        Recomputed from the examples (their ids, times and histories), so an analysis can ask what
+        each term is worth: e.g. how close a predictor that knows every term but the latent
+        affinity gets to the Bayes-optimal NE (benchmarks.quality's gap split). Affinity is split
+        into its campaign part (the user's interest in the ad's campaign) and the ad's own part.
+        """
+        n = len(ex)
+        lengths = np.diff(ex.seq_offsets)
+        owner = np.repeat(np.arange(n), lengths)
+        age = (np.repeat(ex.request_time, lengths) - ex.seq_timestamp).astype(np.float64)
+        hist = self.history_signal(ex.ad_id, owner, ex.seq_campaign_id, ex.seq_type, age)
+        conv_hist = self.history_signal(ex.ad_id, owner, ex.seq_campaign_id, ex.seq_type, age, types=(2,))
+        same_surface = (ex.seq_surface == np.repeat(ex.surface, lengths)) * np.exp(-age / DWELL_DECAY_S)
+        surface_activity = np.bincount(owner, weights=same_surface, minlength=n)
+        aff = self.affinity(ex.user_id, ex.ad_id, ex.request_time)
+        interest = self.interest_at(ex.user_id, ex.request_time)
+        aff_campaign = CAMPAIGN_SHARE * np.einsum(
+            "nk,nk->n", interest, self.campaign_latent[self.ad_campaign[ex.ad_id]]) / np.sqrt(LATENT_DIM)
+        aff_ad = aff - aff_campaign
+        ones = np.ones(n)
+        return {
+            "click": {"intercept": CLICK_INTERCEPT * ones, "surface": CLICK_SURFACE_BIAS[ex.surface],
+                      "ad_quality": self.ad_quality[ex.ad_id], "user_bias": self.user_bias[ex.user_id],
+                      "history": 2.5 * (1.0 - np.exp(-hist)),
+                      "affinity_campaign": aff_campaign, "affinity_ad": aff_ad},
+            "conversion": {"intercept": CVR_INTERCEPT * ones,
+                           "surface": CVR_SURFACE_BIAS[ex.surface] + CVR_OBJECTIVE_BIAS[ex.objective],
+                           "ad_cvr_bias": self.ad_cvr_bias[ex.ad_id], "history": 1.5 * (1.0 - np.exp(-conv_hist)),
+                           "affinity_campaign": 0.6 * aff_campaign, "affinity_ad": 0.6 * aff_ad},
+            "dwell": {"intercept": DWELL_INTERCEPT * ones, "surface": DWELL_SURFACE_BIAS[ex.surface],
+                      "ad_dwell_bias": self.ad_dwell_bias[ex.ad_id],
+                      "history": 1.5 * (1.0 - np.exp(-0.5 * surface_activity)),
+                      "affinity_campaign": 0.6 * aff_campaign, "affinity_ad": 0.6 * aff_ad},
+        }
 
     def conversion_window_prob(self, objective: np.ndarray) -> np.ndarray:
         """P(delay <= attribution window) per objective: the share of conversions that get labelled."""
@@ -301,14 +342,14 @@ class SyntheticWorld:
         surface_activity = np.bincount(owner, weights=same_surface, minlength=n)
 
         aff = self.affinity(users, ads, request_time)  # the interest *at the request time*
-        click_logit = (-3.0 + aff + self.ad_quality[ads] + self.user_bias[users] + CLICK_SURFACE_BIAS[surface]
+        click_logit = (CLICK_INTERCEPT + aff + self.ad_quality[ads] + self.user_bias[users] + CLICK_SURFACE_BIAS[surface]
                        + 2.5 * (1.0 - np.exp(-hist)))  # saturating: a few recent matching events are enough
         p_click = _sigmoid(click_logit)
-        cvr_logit = (-1.8 + self.ad_cvr_bias[ads] + 0.6 * aff + CVR_OBJECTIVE_BIAS[objective]
+        cvr_logit = (CVR_INTERCEPT + self.ad_cvr_bias[ads] + 0.6 * aff + CVR_OBJECTIVE_BIAS[objective]
                      + CVR_SURFACE_BIAS[surface] + 1.5 * (1.0 - np.exp(-conv_hist)))
         p_eventual = _sigmoid(cvr_logit)
         p_conversion = p_eventual * self.conversion_window_prob(objective)  # the label's own probability
-        dwell_logit = (-0.6 + 0.6 * aff + self.ad_dwell_bias[ads] + DWELL_SURFACE_BIAS[surface]
+        dwell_logit = (DWELL_INTERCEPT + 0.6 * aff + self.ad_dwell_bias[ads] + DWELL_SURFACE_BIAS[surface]
                        + 1.5 * (1.0 - np.exp(-0.5 * surface_activity)))
         p_dwell = _sigmoid(dwell_logit)
 

@@ -2,8 +2,9 @@
 
     S' = S + W_o · BlockAttn_64(RoPE_time(LN(S) W_q), RoPE_time(LN(S) W_k), LN(S) W_v)
 
-Blocks start at each segment's first event; `shift` (alternating 0 and block/2 across the
-local layers) moves the block edges so information crosses them [PROPOSAL].
+Blocks end at each segment's most recent event (tier.block_align="end"; "start" anchors them at
+the first); `shift` (alternating 0 and block/2 across the local layers) moves the block edges so
+information crosses them [PROPOSAL].
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class BlockAttentionLayer(JaggedModule):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tb: TierBatch) -> torch.Tensor:
         """Block attention of already-rotated q, k."""
         t = self.tier
-        plan = tb.block_plan(t.block_size, self.shift) if self.kernel == Kernel.TILED else None
-        return block_attention(q, k, v, tb.offsets, block_size=t.block_size, shift=self.shift, plan=plan,
-                               kernel=self.kernel)
+        plan = tb.block_plan(t.block_size, self.shift, t.block_align) if self.kernel == Kernel.TILED else None
+        return block_attention(q, k, v, tb.offsets, block_size=t.block_size, shift=self.shift, align=t.block_align,
+                               plan=plan, kernel=self.kernel)
 
     def forward(self, tb: TierBatch) -> torch.Tensor:
         q, k, v = self.qkv(tb)
@@ -54,7 +55,7 @@ class BlockAttentionLayer(JaggedModule):
 
     def attention_flops(self, lengths: torch.Tensor) -> float:
         t = self.tier
-        return 2 * 2.0 * t.dim * block_pairs(lengths, t.block_size, self.shift)  # QKᵀ and PV, all heads
+        return 2 * 2.0 * t.dim * block_pairs(lengths, t.block_size, self.shift, t.block_align)  # QKᵀ and PV, all heads
 
     def flops(self, lengths: torch.Tensor) -> float:
         tokens = float(lengths.sum())

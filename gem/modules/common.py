@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from gem.ops.common import DEFAULT_KERNEL, Kernel
+from gem.ops.common import DEFAULT_KERNEL, Kernel, block_leads
 
 
 class JaggedModule(nn.Module):
@@ -92,13 +92,14 @@ def linear_flops(rows: float, d_in: int, d_out: int) -> float:
     return 2.0 * rows * d_in * d_out
 
 
-def block_pairs(lengths: torch.Tensor, block: int, shift: int = 0) -> float:
+def block_pairs(lengths: torch.Tensor, block: int, shift: int = 0, align: str = "start") -> float:
     """Σ over blocks of (tokens in the block)²: the (query, key) pairs block attention scores."""
     total = 0.0
-    for n in lengths.tolist():
+    leads = block_leads(lengths, block, shift=shift, align=align)
+    for n, lead in zip(lengths.tolist(), leads.tolist()):
         if n <= 0:
             continue
-        first = min(n, block - shift)  # the first block is shorter by `shift`
+        first = min(n, block - lead)  # the first block is shorter by its lead
         rest = n - first
         full, tail = divmod(rest, block)
         total += first**2 + full * block**2 + tail**2

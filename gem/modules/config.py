@@ -84,6 +84,10 @@ class TierConfig:
     """Most recent event tokens added to the summary as they are."""
     block_size: int = 64
     """Block attention block length."""
+    block_align: str = "start"
+    """Where the blocks are anchored: "start" (from the first event, the kernel library's
+    reference) or "end" (the most recent events share one full block; the short block, if any,
+    holds the oldest). docs/architecture.md §8."""
 
     @property
     def head_dim(self) -> int:
@@ -165,6 +169,8 @@ class KunlunConfig:
         for t in self.tiers:
             if t.dim % t.num_heads or t.head_dim % 2:
                 raise ValueError(f"tier {t.name}: dim ({t.dim}) must split into {t.num_heads} heads of even width")
+            if t.block_align not in ("start", "end"):
+                raise ValueError(f"tier {t.name}: block_align must be 'start' or 'end', got {t.block_align!r}")
             unknown = set(t.event_types) - set(self.features.event_types)
             if unknown:
                 raise ValueError(f"tier {t.name} names unknown event types {sorted(unknown)}; "

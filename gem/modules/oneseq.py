@@ -55,8 +55,9 @@ class TierBatch:
             self._plans[key] = make()
         return self._plans[key]
 
-    def block_plan(self, block: int, shift: int) -> BlockPlan:
-        return self._memo(("blocks", block, shift), lambda: plan_blocks(self.offsets, block, shift=shift))
+    def block_plan(self, block: int, shift: int, align: str = "start") -> BlockPlan:
+        return self._memo(("blocks", block, shift, align),
+                          lambda: plan_blocks(self.offsets, block, shift=shift, align=align))
 
     def kv_buckets(self, num_kv: int) -> BucketPlan:
         """Buckets for long queries (this sequence) over num_kv keys per example."""

@@ -12,9 +12,9 @@ contiguous blocks:
   padded only to its own longest member. The cuts come from a small dynamic programme that
   minimises `Σ_groups n_g · Lq_g · Lk_g + overhead · num_groups`, i.e. the padded work plus a
   fixed price per dense call.
-* **Blocks** (`plan_blocks`): every segment cut into fixed `block`-token pieces that start at
-  the segment's own offset (optionally shifted); a segment is padded only to a multiple of the
-  block.
+* **Blocks** (`plan_blocks`): every segment cut into fixed `block`-token pieces aligned to the
+  segment's own first or last token (optionally shifted); a segment is padded only to a multiple
+  of the block.
 
 Both are described by integer index tensors computed once per batch (a SlotLayout: the slot of
 every jagged row); moving data into and out of tiles is a permutation each way, whose backward is
@@ -314,23 +314,40 @@ class BlockPlan:
         return SlotLayout(self.dst, self.num_blocks * self.block, self.src)
 
 
-def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0) -> BlockPlan:
-    """Cut every segment into `block`-token blocks starting at its own first row.
+BLOCK_ALIGNS = ("start", "end")
 
-    shift > 0 leaves `shift` empty slots before each segment, so block boundaries move by
-    `shift` tokens (alternating shifts let successive local layers exchange information).
+
+def block_leads(lengths: torch.Tensor, block: int, *, shift: int = 0, align: str = "start") -> torch.Tensor:
+    """Empty slots before each segment in its blocks' layout, int64 [B]: token i of a segment is in
+    block (lead + i) // block.
+
+    align="start": blocks start at the segment's first token (the kernel library's reference);
+    lead = shift. align="end": blocks end at its last (most recent) token, so the newest events
+    always share one full block and the short block, if any, holds the oldest; lead = -(L + shift)
+    mod block. shift moves every boundary by `shift` tokens (alternating shifts across layers let
+    information cross block edges).
     """
     if not 0 <= shift < block:
         raise ValueError(f"block shift must be in [0, {block}), got {shift}")
+    if align == "start":
+        return torch.full_like(lengths, shift)
+    if align == "end":
+        return torch.remainder(-(lengths + shift), block)
+    raise ValueError(f"block align must be one of {BLOCK_ALIGNS}, got {align!r}")
+
+
+def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0, align: str = "start") -> BlockPlan:
+    """Cut every segment into `block`-token blocks aligned to its first or last row (block_leads)."""
     lengths = offsets.diff()  # [B]
-    blocks_per_seg = torch.div(lengths + shift + block - 1, block, rounding_mode="floor")  # [B]
+    lead = block_leads(lengths, block, shift=shift, align=align)  # [B]
+    blocks_per_seg = torch.div(lengths + lead + block - 1, block, rounding_mode="floor")  # [B]
     blocks_per_seg = torch.where(lengths > 0, blocks_per_seg, torch.zeros_like(blocks_per_seg))
     first_block = offsets_of(blocks_per_seg)  # [B+1]
     num_blocks = int(first_block[-1])
     total = int(offsets[-1])
     seg = segment_ids(offsets)  # [ΣL]
     pos = torch.arange(total, device=offsets.device) - offsets[seg]  # [ΣL]
-    dst = first_block[seg] * block + shift + pos  # [ΣL]
+    dst = first_block[seg] * block + lead[seg] + pos  # [ΣL]
     src = torch.full((num_blocks * block,), total, dtype=torch.int64, device=offsets.device)
     src[dst] = torch.arange(total, device=offsets.device)
     valid = (src != total).view(num_blocks, block)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from gem.ops.common import block_leads
 from gem.ops.pytorch.pt_jagged import jagged_to_padded, padded_to_jagged
 
 
 def pytorch_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *,
-                            block_size: int, shift: int, scale: float | None) -> torch.Tensor:
+                            block_size: int, shift: int, scale: float | None, align: str = "start") -> torch.Tensor:
     """Query i of a segment attends to key j of the same segment iff
-    (i + shift) // block_size == (j + shift) // block_size.
+    (i + lead) // block_size == (j + lead) // block_size, lead from gem.ops.common.block_leads.
 
     q, k, v: [ΣL, H, dh]  ->  [ΣL, H, dh]   (fp32 inside)
     """
@@ -20,9 +21,10 @@ def pytorch_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     kp, _ = jagged_to_padded(k.float(), offsets)
     vp, _ = jagged_to_padded(v.float(), offsets)
     T = qp.shape[1]
-    block_of = (torch.arange(T) + shift) // block_size  # [T]
-    same_block = block_of[:, None] == block_of[None, :]  # [T, T]
-    allowed = same_block[None] & mask[:, None, :]  # [B, Tq, Tk]
+    lead = block_leads(offsets.diff(), block_size, shift=shift, align=align)  # [B]
+    block_of = (torch.arange(T)[None, :] + lead[:, None]) // block_size  # [B, T]
+    same_block = block_of[:, :, None] == block_of[:, None, :]  # [B, T, T]
+    allowed = same_block & mask[:, None, :]  # [B, Tq, Tk]
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale  # [B, H, T, T]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     attn = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)

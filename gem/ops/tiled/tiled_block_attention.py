@@ -100,12 +100,12 @@ class BlockSoftmaxAttention(torch.autograd.Function):
 
 def tiled_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *,
                           block_size: int, shift: int, scale: float | None,
-                          plan: BlockPlan | None = None) -> torch.Tensor:
+                          plan: BlockPlan | None = None, align: str = "start") -> torch.Tensor:
     """q, k, v: [ΣL, H, dh]  ->  [ΣL, H, dh]"""
     if q.shape[0] == 0:
         return q * 0.0  # keeps the graph: empty input, empty gradient
     if plan is None:
-        plan = plan_blocks(offsets, block_size, shift=shift)
+        plan = plan_blocks(offsets, block_size, shift=shift, align=align)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     all_valid = bool(plan.valid.all())
     if q.device.type == "cpu" or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
