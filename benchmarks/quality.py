@@ -15,7 +15,7 @@ examples in the same order, for the same number of steps, with the same optimize
    GEM closes: (best_baseline_ne - gem_ne) / (best_baseline_ne - bayes_ne). Every model is
    trained under each of MODES[...]["seeds"] (init and data order, paired across models; seed 0
    is the main run) and every NE is the mean over those seeds, with GEM's paired per-seed
-   difference to each baseline and its standard error (`main.paired_diff`). `main.ceiling`
+   difference to each baseline and its standard error (`main.paired_diff`). `main.gap_split`
    splits the Bayes gap: logistic regressions on the world's own logit terms
    (gem.data.synthetic.SyntheticWorld.logit_terms), with and without the latent user x campaign
    affinity, show how much of the gap no single example's features reveal.
