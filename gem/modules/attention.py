@@ -2,9 +2,9 @@
 
     S' = S + W_o · BlockAttn_64(RoPE_time(LN(S) W_q), RoPE_time(LN(S) W_k), LN(S) W_v)
 
-Blocks end at each segment's most recent event (tier.block_align="end"; "start" anchors them at
-the first); `shift` (alternating 0 and block/2 across the local layers) moves the block edges so
-information crosses them [PROPOSAL].
+Blocks start at each segment's first event (tier.block_align="start", the default; "end" anchors
+them at the most recent); `shift` (alternating 0 and block/2 across the local layers) moves the
+block edges so information crosses them [PROPOSAL].
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class KunlunConfig:
         for t in self.tiers:
             if t.dim % t.num_heads or t.head_dim % 2:
                 raise ValueError(f"tier {t.name}: dim ({t.dim}) must split into {t.num_heads} heads of even width")
-            if t.block_align not in ("start", "end"):
+            if t.block_align not in ("start", "end"):  # gem.ops.common.BLOCK_ALIGNS; this module stays torch-free
                 raise ValueError(f"tier {t.name}: block_align must be 'start' or 'end', got {t.block_align!r}")
             unknown = set(t.event_types) - set(self.features.event_types)
             if unknown:
