@@ -48,6 +48,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.transfer
 	-$(PY) -m benchmarks.solaris
 	-$(PY) -m benchmarks.quality --jobs 2
+	-$(PY) -m benchmarks.data_scaling --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:

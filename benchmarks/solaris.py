@@ -52,14 +52,14 @@ def world_spec(quick: bool) -> dict:
 def train_fm(data: dict, steps: int, cache: Path) -> str:
     """A tiny GEM trained by the transfer benchmark's loop on the world's FM traffic (FM_DATA_FACTOR x
     the vertical's train split, one pass), cached under `cache`."""
-    from benchmarks.transfer import FM_DATA_FACTOR, FM_SPLIT
+    from benchmarks.transfer import FM_DATA_FACTOR, FM_SPLIT, code_fingerprint
     from benchmarks.transfer import train_fm as train
     from gem.api.types import SyntheticDataSpec
     from gem.data.synthetic import SyntheticWorld
 
     probe = SyntheticWorld(SyntheticDataSpec.model_validate(data)).sample(256, split=0)  # the world's fingerprint
     key = hashlib.sha1(json.dumps([data, steps, FM_DATA_FACTOR, FM_SPLIT]).encode() + probe.p_click.tobytes()
-                       + probe.seq_ad_id.tobytes())
+                       + probe.seq_ad_id.tobytes() + code_fingerprint())  # new model code: a new FM
     out = cache / key.hexdigest()[:12] / "fm"
     if not (out / "model.pt").is_file():
         train(data, steps, out, split=FM_SPLIT, num_examples=FM_DATA_FACTOR * data["numTrainExamples"])
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000, help="HTTP lookups in the load test")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "gem-solaris-cache"),
-                    help="where the trained FM is kept between runs (keyed by world + FM steps)")
+                    help="where the trained FM is kept between runs (keyed by world, FM steps and code)")
     ap.add_argument("--out", default=str(RESULTS / "solaris.json"))
     args = ap.parse_args(argv)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -220,6 +220,16 @@ def matched_hidden(target_flops: int, spec) -> int:
     return best
 
 
+def code_fingerprint() -> bytes:
+    """The source of everything the cached FM and its memory depend on: a change to the model, the
+    trainer or the logging code gives a new cache key (a stale FM would otherwise load under new code)."""
+    h = hashlib.sha1()
+    for sub in ("modules", "model", "ops", "train", "loopfm", "data"):
+        for path in sorted((ROOT / "gem" / sub).rglob("*.py")):
+            h.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
+    return h.digest()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller world (a smoke run)")
@@ -234,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beta", type=float, default=3.0, help="LoopFM: aux-head gradient scale into the body")
     ap.add_argument("--memory-k", type=int, default=None, help="default: DistillationSpec's")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "gem-transfer-cache"),
-                    help="where the trained FM and its memory are kept between runs (keyed by world + FM steps)")
+                    help="where the trained FM and its memory are kept between runs (keyed by world, FM steps and code)")
     ap.add_argument("--no-cache", action="store_true", help="train the FM and log its memory afresh")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"))
     args = ap.parse_args(argv)
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gem.api.types import DistillationSpec, StudentSpec, SyntheticDataSpec
-    from gem.data.synthetic import SyntheticWorld, build_splits
+    from gem.data.synthetic import SyntheticWorld
     from gem.distill.student import StudentModel
     from gem.distill.task import kd_loss
     from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, embed_examples, log_stream, logged_version
@@ -259,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     fm_steps = args.fm_steps or fm_examples // BATCH
     dist = DistillationSpec(method="loopfm", alpha=args.alpha, temperature=args.temperature, beta=args.beta,
                             **({} if args.memory_k is None else {"memory_k": args.memory_k}))
-    train, evaluation = build_splits(SyntheticDataSpec.model_validate(data))
+    world = SyntheticWorld(SyntheticDataSpec.model_validate(data))  # built once: the splits, the FM's traffic, the probes
+    train, evaluation = world.sample(data["numTrainExamples"], split=0), world.sample(data["numEvalExamples"], split=1)
     timings: dict[str, float] = {}
 
     key = hashlib.sha1(json.dumps([data, fm_steps, fm_examples, FM_SPLIT]).encode() + train.p_click.tobytes()  # the world's fingerprint
-                       + train.seq_ad_id.tobytes()).hexdigest()[:12]
+                       + train.seq_ad_id.tobytes() + code_fingerprint()).hexdigest()[:12]
     tmp = tempfile.TemporaryDirectory(prefix="gem-transfer-")
     work = Path(tmp.name) if args.no_cache else Path(args.cache) / key
     fm_dir = work / "fm"
@@ -277,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if version not in memory.model_versions():
         # Everything the FM scored: its own traffic and the vertical's, in request-time order.
-        fm_traffic = SyntheticWorld(SyntheticDataSpec.model_validate(data)).sample(fm_examples, split=FM_SPLIT)
+        fm_traffic = world.sample(fm_examples, split=FM_SPLIT)
         log_stream(fm, [fm_traffic, train, evaluation], memory, version, kind=LOGGED_KIND)
     index = memory.index(version)
     timings["memory_log"] = time.perf_counter() - t0
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _, _, valid = index.lookup(evaluation.user_id, evaluation.request_time, dist.memory_k)
     probes = memory_probes(fm, baseline0, index, train, evaluation, k=dist.memory_k, max_seq_len=max_seq_len,
-                           world=SyntheticWorld(SyntheticDataSpec.model_validate(data)))
+                           world=world)
     result = {
         "transfer_ratio_loopfm": float(np.mean(tr["loopfm"])),
         "transfer_ratio_kd": float(np.mean(tr["kd"])),
