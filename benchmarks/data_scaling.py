@@ -40,7 +40,6 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import quality  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ("click", "conversion", "dwell")
 
 MODES: dict[str, dict[str, Any]] = {
@@ -132,7 +131,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
-    p.add_argument("--out", type=Path, default=RESULTS / "data_scaling.json")
+    p.add_argument("--out", type=Path, default=quality.RESULTS / "data_scaling.json")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--jobs", type=int, default=1, help="training runs at once, in a process pool")
     args = p.parse_args(argv)
