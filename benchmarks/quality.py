@@ -273,9 +273,7 @@ def load_data(data: dict[str, Any]) -> tuple[Examples, Examples]:
     key = json.dumps(data, sort_keys=True)
     if key not in _DATA_CACHE:
         if data["source"] == "synthetic":
-            spec = SyntheticDataSpec(**data["spec"])
-            world = SyntheticWorld(spec)
-            pair = world.sample(spec.num_train_examples, split=0), world.sample(spec.num_eval_examples, split=1)
+            pair = SyntheticWorld(SyntheticDataSpec(**data["spec"])).splits()
         else:
             from gem.data.movielens import movielens_examples
             from gem.data.parquet import slice_examples

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     dist = DistillationSpec(method="loopfm", alpha=args.alpha, temperature=args.temperature, beta=args.beta,
                             **({} if args.memory_k is None else {"memory_k": args.memory_k}))
     world = SyntheticWorld(SyntheticDataSpec.model_validate(data))  # built once: the splits, the FM's traffic, the probes
-    train, evaluation = world.sample(data["numTrainExamples"], split=0), world.sample(data["numEvalExamples"], split=1)
+    train, evaluation = world.splits()
     timings: dict[str, float] = {}
 
     key = hashlib.sha1(json.dumps([data, fm_steps, fm_examples, FM_SPLIT]).encode() + train.p_click.tobytes()  # the world's fingerprint

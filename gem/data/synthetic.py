@@ -291,6 +291,10 @@ class SyntheticWorld:
         """n impressions of a split (0: train, 1: eval, ...); deterministic in (world, split)."""
         return self._sample(n, np.random.default_rng([self.spec.seed, 1, split]))
 
+    def splits(self) -> tuple[Examples, Examples]:
+        """(train, eval): the spec's num_train_examples of split 0 and num_eval_examples of split 1."""
+        return self.sample(self.spec.num_train_examples, split=0), self.sample(self.spec.num_eval_examples, split=1)
+
     def stream(self, n: int, split: int, chunk_size: int = 65536) -> Iterator[Examples]:
         """n impressions of a split in chunks of chunk_size, never all in memory (e.g. to Parquet).
 
@@ -393,5 +397,4 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def build_splits(spec: SyntheticDataSpec) -> tuple[Examples, Examples]:
     """The (train, eval) splits of the world spec describes; identical on every rank."""
-    world = SyntheticWorld(spec)
-    return world.sample(spec.num_train_examples, split=0), world.sample(spec.num_eval_examples, split=1)
+    return SyntheticWorld(spec).splits()
