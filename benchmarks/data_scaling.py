@@ -78,13 +78,11 @@ def study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, 
         rows = []
         for steps in ladder:
             run = res[f"{kind}/{steps}"]
-            per = quality.task_surface_ne(run["report"])
+            table = quality.task_surface_ne(run["report"])
+            per = {task: table[f"{task}/all"] for task in TASKS if f"{task}/all" in table}
             rows.append({"steps": steps, "impressions": steps * batch, "ne": quality._f(run["metrics"]["ne"]),
-                         **{task: per[f"{task}/all"]["ne"] for task in TASKS if f"{task}/all" in per},
-                         "train_seconds": run["train_seconds"]})
-            for task in TASKS:
-                if f"{task}/all" in per:
-                    bayes[task] = per[f"{task}/all"]["bayes"]  # the eval split is the same for every rung
+                         **{task: row["ne"] for task, row in per.items()}, "train_seconds": run["train_seconds"]})
+            bayes.update({task: row["bayes"] for task, row in per.items()})  # one eval split: the same every rung
         curves[kind] = {"points": rows}
     target_budget = mode["target_steps"] * batch
     base = next(r for r in curves["dlrm"]["points"] if r["impressions"] == target_budget)
