@@ -101,6 +101,18 @@ def shortened(example: dict) -> dict:
     return example
 
 
+def _pod_report(kubeapi, pods: list[dict]) -> str:
+    """Each pod's phase and the last lines of its log: what a stuck pod was doing."""
+    lines = []
+    for pod in pods:
+        md = pod["metadata"]
+        lines.append(f"--- {md['name']}: {pod['status'].get('phase')}")
+        provided = kubeapi.executor.log_provider(md["namespace"], md["name"], None)
+        if provided is not None and Path(provided[0]).is_file():
+            lines += Path(provided[0]).read_text(errors="replace").splitlines()[-30:]
+    return "\n".join(lines)
+
+
 # A training and then a distillation, each on 2 pods: longer than the suite's default per-test
 # limit on a loaded 2-core machine.
 @pytest.mark.timeout(1500)
@@ -146,9 +158,14 @@ def test_gemtraining_then_loopfm_distill_end_to_end(kubeapi, mlflow_server, tmp_
         assert (checkpoint / "model.pt").is_file() and (checkpoint / "gem.yaml").is_file(), checkpoint
         # The job succeeds when its Master does (the training operator's rule); the worker may still be
         # exiting at that moment, so wait for both pods to reach Succeeded rather than race them.
-        phases = lambda: sorted(p["status"]["phase"] for p in kubeapi.list(
-            "v1", "Pod", label_selector=f"training.kubeflow.org/job-name={name}-train"))
-        wait_for(lambda: phases() == ["Succeeded", "Succeeded"], timeout=60, interval=0.5, what="both train pods Succeeded")
+        # 300 s, not 60: on a stalled 2-core VM (CPU steal) a worker's interpreter exit has taken
+        # longer than a minute; a real hang still fails, with the worker's log tail to show where.
+        pods = lambda: kubeapi.list("v1", "Pod", label_selector=f"training.kubeflow.org/job-name={name}-train")
+        try:
+            wait_for(lambda: sorted(p["status"]["phase"] for p in pods()) == ["Succeeded", "Succeeded"],
+                     timeout=300, interval=0.5, what="both train pods Succeeded")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{_pod_report(kubeapi, pods())}") from None
 
         # The MLflow run holds the metrics and the checkpoint.
         mlflow = MlflowClient(tracking_uri=mlflow_server)
