@@ -23,10 +23,8 @@ one run (docs/quality.md: ~0.2% on click) shows as wiggles between neighbours.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -127,12 +125,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
-    p.add_argument("--out", type=Path, default=quality.RESULTS / "data_scaling.json")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--jobs", type=int, default=1, help="training runs at once, in a process pool")
-    args = p.parse_args(argv)
+    args = quality.study_cli(__doc__.split("\n\n")[0], quality.RESULTS / "data_scaling.json", argv)
     import torch
 
     name = "smoke" if args.smoke else "full"
@@ -141,21 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     jobs = plan(mode, args.threads)
     res = quality.run_jobs(jobs, args.jobs)
-    doc = {"command": "python -m benchmarks.data_scaling" + (" --smoke" if args.smoke else "")
-           + (f" --jobs {args.jobs}" if args.jobs > 1 else "") + f" --threads {args.threads}",
+    doc = {"command": quality.study_command("benchmarks.data_scaling", args),
            "mode": name, "world_seed": quality.WORLD_SEED, "train_seed": quality.TRAIN_SEED,
            "preset": mode["preset"], "batch": mode["batch"], "max_seq_len": mode["max_seq_len"],
            **study(mode, jobs, res), "precision": "fp32",
-           "machine": {"torch": torch.__version__, "processor": platform.processor() or platform.machine(),
-                       "workers": args.jobs, "threads": args.threads,
-                       "load_average_before": [round(x, 2) for x in load_before]},
+           "machine": quality.study_machine(args, load_before),
            "wall_seconds": round(time.time() - t0, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    try:
-        plot(doc, args.out.with_suffix(".png"))
-    except ImportError:  # matplotlib is optional: the JSON alone
-        pass
+    quality.write_study(doc, args.out, plot)
     print(json.dumps({k: doc[k] for k in ("bayes", "half_gap_target")}, indent=1))
     for kind, c in doc["curves"].items():
         print(kind, json.dumps({"points": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}

@@ -300,12 +300,51 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return run
 
 
+def study_cli(description: str, default_out: Path, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of the studies built on this module's runs (data_scaling, wide_heads,
+    diagnose): --smoke, --out, --threads, --jobs."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
+    p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once, in a process pool (results are identical to --jobs 1)")
+    return p.parse_args(argv)
+
+
+def study_command(module: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a study's JSON, as recorded in it."""
+    return (f"python -m {module}" + (" --smoke" if args.smoke else "")
+            + (f" --jobs {args.jobs}" if args.jobs > 1 else "") + f" --threads {args.threads}")
+
+
+def study_machine(args: argparse.Namespace, load_before: tuple[float, ...]) -> dict[str, Any]:
+    """Where a study ran: torch, CPU, workers x threads, load averages before and now."""
+    return {"torch": torch.__version__, "processor": platform.processor() or platform.machine(),
+            "workers": args.jobs, "threads": args.threads,
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+
+
+def write_study(doc: dict[str, Any], out: Path, plot: Any) -> None:
+    """The JSON (strict: no NaN) and `plot(doc, PNG path)` beside it; without matplotlib (an
+    optional dependency), the JSON alone."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    try:
+        plot(doc, out.with_suffix(".png"))
+    except ImportError:
+        pass
+
+
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_jobs(jobs: dict[str, dict[str, Any]], workers: int) -> dict[str, dict[str, Any]]:
-    """Every job's run, serially (workers <= 1) or in a spawn-started process pool."""
+def run_jobs(jobs: dict[str, dict[str, Any]], workers: int, fn=None) -> dict[str, dict[str, Any]]:
+    """Every job's run, `fn(job)` (default run_job: a module-level function, so a spawned worker
+    can import it), serially (workers <= 1) or in a spawn-started process pool."""
+    fn = fn or run_job
     out: dict[str, dict[str, Any]] = {}
 
     def done(name: str, run: dict[str, Any]) -> None:
@@ -315,7 +354,7 @@ def run_jobs(jobs: dict[str, dict[str, Any]], workers: int) -> dict[str, dict[st
 
     if workers <= 1:
         for name, job in jobs.items():
-            done(name, run_job(job))
+            done(name, fn(job))
         return out
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -323,7 +362,7 @@ def run_jobs(jobs: dict[str, dict[str, Any]], workers: int) -> dict[str, dict[st
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         # the most expensive first, so the pool's tail is short (order does not change any result)
         order = sorted(jobs, key=lambda n: -_cost(jobs[n]))
-        futures = {pool.submit(run_job, jobs[name]): name for name in order}
+        futures = {pool.submit(fn, jobs[name]): name for name in order}
         for fut in as_completed(futures):
             done(futures[fut], fut.result())
     return {name: out[name] for name in jobs}

@@ -20,7 +20,6 @@ Writes the JSON and `wide_heads.png` (the curves and the probe) beside it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -186,22 +185,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
-    p.add_argument("--out", type=Path, default=Q.RESULTS / "wide_heads.json")
-    p.add_argument("--jobs", type=int, default=1, help="training runs at once (results are identical to --jobs 1)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    args = p.parse_args(argv)
+    args = Q.study_cli(__doc__.split("\n\n")[0], Q.RESULTS / "wide_heads.json", argv)
     name = "smoke" if args.smoke else "full"
     t0 = time.time()
     res = run_all(plan(name, args.threads), args.jobs)
-    doc = {"command": "python -m benchmarks.wide_heads" + (" --smoke" if args.smoke else "")
-           + (f" --jobs {args.jobs}" if args.jobs > 1 else ""),
+    doc = {"command": Q.study_command("benchmarks.wide_heads", args),
            "mode": name, "world_seed": Q.WORLD_SEED, **summarise(name, res),
            "wall_seconds": round(time.time() - t0, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    plot(doc, args.out.with_suffix(".png"))
+    Q.write_study(doc, args.out, plot)
     print(json.dumps({"final_eval_ne": doc["final_eval_ne"], "noise_probe": doc["noise_probe"]}, indent=1))
     return 0
 

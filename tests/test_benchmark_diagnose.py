@@ -1,0 +1,95 @@
+"""`python -m benchmarks.diagnose --smoke`, and the two tools it rests on, checked against
+sources outside its own bookkeeping: the world's true probabilities (the term fit must give them
+coefficients of exactly 1), the quality benchmark's own run of the same job (the same NE), and
+a plain per-example count of each tier's events (the long-history split)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from benchmarks import diagnose, quality
+from gem.api.types import SyntheticDataSpec
+from gem.data.synthetic import SyntheticWorld
+from gem.eval.evaluate import metrics_from_predictions
+from gem.model import config_from_spec, kunlun_config
+
+
+def test_diagnose_smoke(tmp_path):
+    out = tmp_path / "diagnose.json"
+    assert diagnose.main(["--smoke", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "smoke" and doc["world_seed"] == quality.WORLD_SEED
+    world = SyntheticWorld(SyntheticDataSpec(**doc["world"]))
+
+    # The fit reads the terms right: the world's own probabilities get every coefficient 1, and
+    # the terms are exactly SyntheticWorld.logit_terms' (minus the intercept).
+    ex = world.sample(quality.MODES["smoke"]["eval_examples"], split=1)
+    terms = world.logit_terms(ex)
+    for task, fit in doc["bayes_terms"].items():
+        assert set(fit["coef"]) == set(terms[task]) - {"intercept"}
+        assert all(math.isclose(c, 1.0, abs_tol=1e-4) for c in fit["coef"].values()), (task, fit)
+        assert fit["r2"] > 0.9999
+    for budget in ("quality_budget", "more_data"):
+        for kind, per_task in doc["terms"][budget].items():
+            for task, fit in per_task.items():
+                assert set(fit["coef"]) == set(doc["bayes_terms"][task]["coef"])
+                assert all(math.isfinite(c) for c in fit["coef"].values()) and 0.0 <= fit["r2"] <= 1.0
+
+    # The same runs as the quality benchmark: its run_job of s0/gem's job gives the same NE.
+    jobs = diagnose.plan(diagnose.MODES["smoke"], threads=1)
+    run = quality.run_job(jobs["s0/gem"])
+    for task, ne in doc["ne"]["s0/gem"].items():
+        assert math.isclose(ne, run["metrics"][f"ne/{task}"], rel_tol=1e-9), task
+
+    # The attention split: long + short = all; GEM minus padded recomputed from the per-part NEs.
+    att = doc["attention"]
+    assert 0 < att["n_long"] < att["n"] == len(ex)
+    seeds = doc["seeds"]
+    for t in ("click",):
+        d0 = 100 * (doc["ne"][f"s{seeds[0]}/gem"][t] / doc["ne"][f"s{seeds[0]}/padded"][t] - 1)
+        assert math.isclose(att["gem_minus_padded_pct"]["all"][t]["by_seed"][0], d0, rel_tol=1e-9)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_long_history_mask_counts_each_tiers_recent_events():
+    mode = quality.MODES["smoke"]
+    spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=300, num_ads=100, mean_history_len=40.0)
+    ex = SyntheticWorld(spec).sample(300, split=1)
+    cfg = kunlun_config(config_from_spec(quality.model_spec(mode["preset"], mode["max_seq_len"])))
+    names = cfg.features.event_types
+    want = []
+    for i in range(len(ex)):  # one example at a time, as a reader would count
+        types = ex.seq_type[ex.seq_offsets[i]:ex.seq_offsets[i + 1]][-mode["max_seq_len"]:]
+        want.append(any(sum(names[t] in tier.event_types for t in types) > tier.block_size for tier in cfg.tiers))
+    got = diagnose.long_history_mask(ex, cfg, mode["max_seq_len"])
+    assert got.tolist() == want and 0 < got.sum() < len(ex)
+
+
+def test_swapped_attention_agrees_on_short_histories_only():
+    """GEM's weights under dense attention: the same predictions wherever every tier fits in one
+    block, different ones on the long histories (what the swap probe measures)."""
+    mode = quality.MODES["smoke"]
+    spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=300, num_ads=100, mean_history_len=40.0)
+    ex = SyntheticWorld(spec).sample(400, split=1)
+    mspec = quality.model_spec(mode["preset"], mode["max_seq_len"])
+    gem = quality.build("gem", mspec, seed=3)
+    with torch.no_grad():  # move the weights off their init so every layer matters
+        for p in gem.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    long = diagnose.long_history_mask(ex, kunlun_config(config_from_spec(mspec)), mode["max_seq_len"])
+    a = diagnose._predict(gem, ex, mode["max_seq_len"])
+    b = diagnose._predict(diagnose.swapped(gem, "gem", mspec), ex, mode["max_seq_len"])
+    diff = np.abs(a["pred_click"] - b["pred_click"])
+    assert diff[~long].max() < 1e-5
+    assert diff[long].max() > 1e-3
+    # and back: padded GEM's weights under block attention
+    padded = quality.build("padded", mspec, seed=3)
+    c = diagnose._predict(padded, ex, mode["max_seq_len"])
+    d = diagnose._predict(diagnose.swapped(padded, "padded", mspec), ex, mode["max_seq_len"])
+    assert np.abs(c["pred_click"] - d["pred_click"])[~long].max() < 1e-5
+    m = metrics_from_predictions([a])
+    assert math.isfinite(m["ne/click"])
