@@ -49,6 +49,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.solaris
 	-$(PY) -m benchmarks.quality --jobs 2
 	-$(PY) -m benchmarks.data_scaling --jobs 2
+	-$(PY) -m benchmarks.diagnose --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:
