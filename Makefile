@@ -50,6 +50,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.quality --jobs 2
 	-$(PY) -m benchmarks.data_scaling --jobs 2
 	-$(PY) -m benchmarks.diagnose --jobs 2
+	-$(PY) -m benchmarks.diagnose --variant gem_wide_dots --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:

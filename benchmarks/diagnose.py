@@ -4,6 +4,7 @@ and whether block attention loses anything against dense attention.
     python -m benchmarks.diagnose --jobs 2 --threads 1   # the reported run (~1 h on 2 idle cores)
     python -m benchmarks.diagnose --smoke                # the test's run (seconds)
     -> benchmarks/results/diagnose.json, diagnose.png
+    python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1   # -> diagnose_gem_wide_dots.json, .png (~35 min)
 
 Two questions benchmarks.quality and benchmarks.data_scaling leave open (docs/quality.md):
 
@@ -28,6 +29,11 @@ Runs: GEM, padded GEM and DLRM exactly as in the quality benchmark's main study 
 jobs: its seeds, data, steps and loop; the NE of each run equals the quality report's to the last
 digit), plus GEM and DLRM on twice the data (data_scaling's 256k rung, seed 0), where DLRM has
 overtaken GEM on conversion and dwell.
+
+`--variant KIND` (one of VARIANTS, a benchmarks.quality.build kind) trains that model on GEM's
+jobs instead (the same data, seeds and steps) and puts it beside GEM and DLRM as `--baseline`
+(a full run's JSON, default benchmarks/results/diagnose.json) has them: its runs are the same
+jobs, and seeded single-thread runs reproduce to the last digit, so they are not trained again.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ TASKS = ("click", "conversion", "dwell")
 KINDS = ("gem", "padded", "dlrm")  # of the quality benchmark's main study
 MORE_DATA_KINDS = ("gem", "dlrm")
 SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swapped in at evaluation
+VARIANTS = ("gem_wide_dots",)  # --variant: GEM whose wide heads also read dot products (KunlunConfig.wide_dots)
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(quality="smoke", data_scaling="smoke", more_data_steps=16),
@@ -71,6 +78,12 @@ def plan(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
     for kind in MORE_DATA_KINDS:
         jobs[f"more/{kind}"] = ladder[f"{kind}/{mode['more_data_steps']}"]
     return jobs
+
+
+def plan_variant(mode: dict[str, Any], threads: int, variant: str) -> dict[str, dict[str, Any]]:
+    """GEM's jobs of plan() with the model swapped for `variant`: the same data, seeds and steps."""
+    return {name.replace("/gem", f"/{variant}"): dict(job, kind=variant)
+            for name, job in plan(mode, threads).items() if name.endswith("/gem")}
 
 
 # --------------------------------------------------------------------------- per run
@@ -217,16 +230,25 @@ def _se(xs: list[float]) -> float | None:
     return float(np.std(xs, ddof=1) / np.sqrt(len(xs))) if len(xs) > 1 else None
 
 
+def _seed_mean_terms(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each task's term fit averaged over the seeds' runs, with every seed's coefficients."""
+    return {task: {"coef": {k: _mean([r["terms"][task]["coef"][k] for r in rs]) for k in rs[0]["terms"][task]["coef"]},
+                   "coef_by_seed": {k: [r["terms"][task]["coef"][k] for r in rs] for k in rs[0]["terms"][task]["coef"]},
+                   "r2": _mean([r["terms"][task]["r2"] for r in rs])}
+            for task in rs[0]["terms"]}
+
+
+def _budgets(jobs: dict[str, dict[str, Any]], seed: int, kind: str) -> dict[str, int]:
+    one, more = jobs[f"s{seed}/{kind}"], jobs[f"more/{kind}"]
+    return {"quality_budget": one["steps"] * one["batch"], "more_data": more["steps"] * more["batch"]}
+
+
 def study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, dict[str, Any]]) -> dict[str, Any]:
     seeds = quality.MODES[mode["quality"]]["seeds"]
     runs = {kind: [res[f"s{s}/{kind}"] for s in seeds] for kind in KINDS}
     terms: dict[str, Any] = {"quality_budget": {}, "more_data": {}}
     for kind, rs in runs.items():
-        terms["quality_budget"][kind] = {
-            task: {"coef": {k: _mean([r["terms"][task]["coef"][k] for r in rs]) for k in rs[0]["terms"][task]["coef"]},
-                   "coef_by_seed": {k: [r["terms"][task]["coef"][k] for r in rs] for k in rs[0]["terms"][task]["coef"]},
-                   "r2": _mean([r["terms"][task]["r2"] for r in rs])}
-            for task in rs[0]["terms"]}
+        terms["quality_budget"][kind] = _seed_mean_terms(rs)
     for kind in MORE_DATA_KINDS:
         terms["more_data"][kind] = res[f"more/{kind}"]["terms"]
     attention: dict[str, Any] = {"n": runs["gem"][0]["attention"]["n"], "n_long": runs["gem"][0]["attention"]["n_long"]}
@@ -236,7 +258,7 @@ def study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, 
             "all": {t: _mean([r["ne"][t] for r in runs[kind]]) for t in TASKS},
             **{part: {t: _mean([x[part][t] for x in a]) for t in TASKS}
                for part in ("long", "short", "swapped_all", "swapped_long")}}
-    # GEM minus padded GEM per seed, in % of padded's NE (the quality report's convention)
+    # GEM minus padded GEM per seed, in % of padded GEM's NE (quality's paired_diff is in NE)
     diff = {}
     for part in ("all", "long", "short"):
         diff[part] = {}
@@ -252,12 +274,41 @@ def study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, 
                   for kind in SWAP for r in runs[kind] for t in TASKS)
         for part in ("all", "long")}
     ne = {name: run["ne"] for name, run in res.items()}
-    more = jobs[f"more/{MORE_DATA_KINDS[0]}"]
     return {"seeds": list(seeds), "ne": ne, "terms": terms, "bayes_terms": bayes_terms(jobs[f"s{seeds[0]}/gem"]["data"]),
-            "attention": attention,
-            "budgets": {"quality_budget": jobs[f"s{seeds[0]}/gem"]["steps"] * jobs[f"s{seeds[0]}/gem"]["batch"],
-                        "more_data": more["steps"] * more["batch"]},
+            "attention": attention, "budgets": _budgets(jobs, seeds[0], "gem"),
             "world": jobs[f"s{seeds[0]}/gem"]["data"]["spec"]}
+
+
+def check_baseline(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], variant: str,
+                   base: dict[str, Any], base_path: Path) -> None:
+    """Refuse, before any training, a --baseline that is not a run on the variant's world, budgets
+    and seeds (a missing file reads as {})."""
+    seeds = quality.MODES[mode["quality"]]["seeds"]
+    if (base.get("world") != jobs[f"s{seeds[0]}/{variant}"]["data"]["spec"]
+            or base.get("budgets") != _budgets(jobs, seeds[0], variant) or base.get("seeds") != list(seeds)):
+        raise SystemExit(f"--baseline {base_path} is not a run on this variant's world, budgets and seeds: run "
+                         f"`python -m benchmarks.diagnose{' --smoke' if mode is MODES['smoke'] else ''}` "
+                         "to write it first, or pass the matching --baseline")
+
+
+def variant_study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[str, dict[str, Any]],
+                  variant: str, base: dict[str, Any], base_path: Path) -> dict[str, Any]:
+    """The variant's NE and term fits beside the baseline run's GEM and DLRM on the same jobs
+    (check_baseline first), and its NE minus GEM's per run and task (negative: the variant is better)."""
+    seeds = quality.MODES[mode["quality"]]["seeds"]
+    world, budgets = jobs[f"s{seeds[0]}/{variant}"]["data"]["spec"], _budgets(jobs, seeds[0], variant)
+    runs = [f"s{s}" for s in seeds] + ["more"]
+    terms = {"quality_budget": {variant: _seed_mean_terms([res[f"s{s}/{variant}"] for s in seeds])},
+             "more_data": {variant: res[f"more/{variant}"]["terms"]}}
+    for budget in terms:
+        for kind in MORE_DATA_KINDS:
+            terms[budget][kind] = base["terms"][budget][kind]
+    ne = {name: run["ne"] for name, run in res.items()}
+    ne.update({f"{r}/{kind}": base["ne"][f"{r}/{kind}"] for r in runs for kind in MORE_DATA_KINDS})
+    minus_gem = {r: {t: ne[f"{r}/{variant}"][t] - ne[f"{r}/gem"][t] for t in TASKS} for r in runs}
+    return {"variant": variant, "baseline": str(base_path), "seeds": list(seeds), "ne": ne, "ne_minus_gem": minus_gem,
+            "ne_minus_gem_seed_mean": {t: _mean([minus_gem[f"s{s}"][t] for s in seeds]) for t in TASKS},
+            "terms": terms, "bayes_terms": base["bayes_terms"], "budgets": budgets, "world": world}
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -266,7 +317,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [("quality_budget", "gem"), ("quality_budget", "dlrm"), ("more_data", "gem"), ("more_data", "dlrm")]
+    kinds = ["gem", doc["variant"], "dlrm"] if "variant" in doc else ["gem", "dlrm"]
+    bars = [(budget, kind) for budget in ("quality_budget", "more_data") for kind in kinds]
     b = doc["budgets"]
     fig, axes = plt.subplots(1, len(TASKS), figsize=(5.5 * len(TASKS), 4.4), squeeze=False)
     for ax, task in zip(axes[0], TASKS):
@@ -288,22 +340,37 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _variant_args(p) -> None:
+    p.add_argument("--variant", choices=VARIANTS, help="train this model on GEM's jobs instead of the main runs")
+    p.add_argument("--baseline", type=Path, default=quality.RESULTS / "diagnose.json",
+                   help="with --variant: the main run's JSON whose GEM and DLRM it is compared with")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = quality.study_cli(__doc__.split("\n\n")[0], quality.RESULTS / "diagnose.json", argv)
+    args = quality.study_cli(__doc__.split("\n\n")[0], quality.RESULTS / "diagnose.json", argv, extra=_variant_args)
     import torch
 
     name = "smoke" if args.smoke else "full"
     mode = MODES[name]
+    if args.variant and args.out == quality.RESULTS / "diagnose.json":
+        args.out = quality.RESULTS / f"diagnose_{args.variant}.json"  # never overwrite the main run's
+    base = json.loads(args.baseline.read_text()) if args.variant and args.baseline.exists() else {}
     t0, load_before = time.time(), os.getloadavg()
     torch.set_num_threads(args.threads)
-    jobs = plan(mode, args.threads)
+    if args.variant:
+        jobs = plan_variant(mode, args.threads, args.variant)
+        check_baseline(mode, jobs, args.variant, base, args.baseline)
+    else:
+        jobs = plan(mode, args.threads)
     res = quality.run_jobs(jobs, args.jobs, fn=run_job)
-    doc = {"command": quality.study_command("benchmarks.diagnose", args),
-           "mode": name, "world_seed": quality.WORLD_SEED, **study(mode, jobs, res), "precision": "fp32",
+    body = variant_study(mode, jobs, res, args.variant, base, args.baseline) if args.variant else study(mode, jobs, res)
+    command = quality.study_command("benchmarks.diagnose", args) + (f" --variant {args.variant}" if args.variant else "")
+    doc = {"command": command, "mode": name, "world_seed": quality.WORLD_SEED, **body, "precision": "fp32",
            "machine": quality.study_machine(args, load_before),
            "wall_seconds": round(time.time() - t0, 1)}
     quality.write_study(doc, args.out, plot)
-    print(json.dumps({"terms": doc["terms"]["quality_budget"], "attention": doc["attention"]}, indent=1))
+    print(json.dumps({"terms": doc["terms"]["quality_budget"], **{k: doc[k] for k in ("attention", "ne_minus_gem")
+                                                                   if k in doc}}, indent=1))
     return 0
 
 

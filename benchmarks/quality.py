@@ -55,7 +55,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -132,7 +132,8 @@ def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) 
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, dlrm or padded; initialised under `seed`."""
+    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, gem_wide_dots, dlrm or padded;
+    initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
@@ -141,6 +142,8 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
     if kind == "gem_wide_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
+    if kind == "gem_wide_dots":
+        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
     if kind == "dlrm":
         return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
     if kind == "padded":
@@ -300,10 +303,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return run
 
 
-def study_cli(description: str, default_out: Path, argv: list[str] | None) -> argparse.Namespace:
+def study_cli(description: str, default_out: Path, argv: list[str] | None,
+              extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """The command line of the studies built on this module's runs (data_scaling, wide_heads,
-    diagnose): --smoke, --out, --threads, --jobs."""
+    diagnose): --smoke, --out, --threads, --jobs, and whatever `extra` adds."""
     p = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(p)
     p.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
     p.add_argument("--out", type=Path, default=default_out)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -626,7 +632,7 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green"}
+MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

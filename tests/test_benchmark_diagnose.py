@@ -9,6 +9,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks import diagnose, quality
@@ -53,6 +54,34 @@ def test_diagnose_smoke(tmp_path):
         d0 = 100 * (doc["ne"][f"s{seeds[0]}/gem"][t] / doc["ne"][f"s{seeds[0]}/padded"][t] - 1)
         assert math.isclose(att["gem_minus_padded_pct"]["all"][t]["by_seed"][0], d0, rel_tol=1e-9)
     assert out.with_suffix(".png").stat().st_size > 0
+
+    # --variant: GEM's jobs with only the model swapped, beside this run's GEM and DLRM.
+    variant_jobs = diagnose.plan_variant(diagnose.MODES["smoke"], 1, "gem_wide_dots")
+    assert set(variant_jobs) == {n.replace("/gem", "/gem_wide_dots") for n in jobs if n.endswith("/gem")}
+    for name, job in variant_jobs.items():
+        assert job == dict(jobs[name.replace("gem_wide_dots", "gem")], kind="gem_wide_dots")
+    vout = tmp_path / "variant.json"
+    assert diagnose.main(["--smoke", "--variant", "gem_wide_dots", "--baseline", str(out), "--out", str(vout)]) == 0
+    v = json.loads(vout.read_text())
+    assert v["variant"] == "gem_wide_dots" and v["command"].endswith("--variant gem_wide_dots")
+    for kind in ("gem", "dlrm"):
+        assert v["ne"][f"s{seeds[0]}/{kind}"] == doc["ne"][f"s{seeds[0]}/{kind}"]
+        assert v["terms"]["more_data"][kind] == doc["terms"]["more_data"][kind]
+    direct = diagnose.run_job(variant_jobs["s0/gem_wide_dots"])  # the variant's NE is its own run's
+    assert v["ne"]["s0/gem_wide_dots"] == direct["ne"]
+    diff = v["ne_minus_gem"]["s0"]
+    assert diff == {t: v["ne"]["s0/gem_wide_dots"][t] - doc["ne"]["s0/gem"][t] for t in diagnose.TASKS}
+    assert any(d != 0.0 for d in diff.values())  # another model, not GEM again
+    assert vout.with_suffix(".png").stat().st_size > 0
+    # A baseline from another world, or none, is refused before any training.
+    diagnose.check_baseline(diagnose.MODES["smoke"], variant_jobs, "gem_wide_dots", doc, out)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(doc, world=dict(doc["world"], seed=1))))
+    for baseline in (other, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match="not a run on this variant's world"):
+            diagnose.main(["--smoke", "--variant", "gem_wide_dots", "--baseline", str(baseline),
+                           "--out", str(tmp_path / "never.json")])
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_long_history_mask_counts_each_tiers_recent_events():

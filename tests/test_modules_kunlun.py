@@ -94,12 +94,12 @@ def test_compskip_alternates_layers_and_reuses_the_cached_summary(batch):
     assert 0.3 < 1 - total_on / total_off < 0.5
 
 
-@pytest.mark.parametrize("seq_ffn", ["pffn", "token_ffn"])
-def test_flop_count_matches_pytorch_flop_counter(seq_ffn):
+@pytest.mark.parametrize("seq_ffn,wide_dots", [("pffn", False), ("token_ffn", False), ("pffn", True)])
+def test_flop_count_matches_pytorch_flop_counter(seq_ffn, wide_dots):
     """With equal histories that are a multiple of the block, the tiled kernels do no padded work,
     so the shape-based count must equal what PyTorch's counter sees (matmuls only). The
     token_ffn model is the benchmark's baseline for the PFFN: its count is the ideal's numerator."""
-    cfg = dataclasses.replace(CFG, num_layers=2, seq_ffn=seq_ffn)
+    cfg = dataclasses.replace(CFG, num_layers=2, seq_ffn=seq_ffn, wide_dots=wide_dots)
     model = _model(cfg)
     train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8,
                                               mean_history_len=64))
@@ -124,7 +124,7 @@ def test_wide_heads_add_a_logit_read_from_the_raw_tokens(batch):
     model = _model()
     got = model(batch)
     x0 = model.embeddings.non_sequence(batch)
-    wide = model.wide_heads(model.wide_norm(x0).flatten(1), batch.surface)
+    wide = model.wide_heads(model.wide_input(x0, batch), batch.surface)
     deep_only = copy.deepcopy(model)
     deep_only.wide_heads = None
     deep = deep_only(batch)
@@ -136,7 +136,8 @@ def test_wide_heads_add_a_logit_read_from_the_raw_tokens(batch):
     shuffled.sequences = {k: copy.copy(s) for k, s in batch.sequences.items()}
     for s in shuffled.sequences.values():
         s.ids = {t: i.flip(0) for t, i in s.ids.items()}
-    again = model.wide_heads(model.wide_norm(model.embeddings.non_sequence(shuffled)).flatten(1), shuffled.surface)
+    again = model.wide_heads(model.wide_input(model.embeddings.non_sequence(shuffled), shuffled),
+                              shuffled.surface)
     for t in got:
         torch.testing.assert_close(again[t], wide[t])
         assert not torch.allclose(model(shuffled)[t], got[t])
@@ -147,8 +148,45 @@ def test_wide_heads_add_a_logit_read_from_the_raw_tokens(batch):
     assert extra == pytest.approx(model.wide_heads.flops(batch.size))
     # The wide path trains the embeddings directly.
     model.zero_grad()
-    model.wide_heads(model.wide_norm(model.embeddings.non_sequence(batch)).flatten(1), batch.surface)["conversion"].sum().backward()
+    x0 = model.embeddings.non_sequence(batch)
+    model.wide_heads(model.wide_input(x0, batch), batch.surface)["conversion"].sum().backward()
     assert model.embeddings.tables["item"].weight.grad.abs().sum() > 0
+
+
+def test_wide_dots_add_the_pairwise_dot_products_of_the_raw_tokens(batch):
+    """wide_dots=True: the wide input is [flatten(LN(X⁰)) ‖ triu(T·Tᵀ)] over T = [X⁰ ‖ each event
+    type's sum-pooled history / √d], checked against a loop over pairs; the history now reaches the
+    wide term, and the extra FLOPs are counted."""
+    model = _model(dataclasses.replace(CFG, wide_dots=True))
+    x0 = model.embeddings.non_sequence(batch)
+    got = model.wide_input(x0, batch)
+    d, n_ns = CFG.dim, CFG.num_non_seq_tokens
+    pooled = []
+    for e in CFG.features.event_types:
+        seq = batch.sequences[e]
+        ev = model.embeddings.events(seq)
+        pooled.append(torch.stack([ev[a:b].sum(0) for a, b in zip(seq.offsets[:-1].tolist(), seq.offsets[1:].tolist())]))
+    tokens = torch.cat([x0, torch.stack(pooled, 1) / d**0.5], dim=1)
+    n = tokens.shape[1]
+    want = torch.stack([(tokens[:, i] * tokens[:, j]).sum(-1) for i in range(n) for j in range(i + 1, n)], dim=1)
+    torch.testing.assert_close(got[:, : n_ns * d], model.wide_norm(x0).flatten(1))
+    torch.testing.assert_close(got[:, n_ns * d:], want)
+    assert got.shape[1] == n_ns * d + n * (n - 1) // 2
+    # No parameters: the same state-dict keys as the default model (checkpoints keep loading).
+    assert model.state_dict().keys() == _model().state_dict().keys()
+    # A different history changes the wide term now.
+    shuffled = copy.copy(batch)
+    shuffled.sequences = {k: copy.copy(s) for k, s in batch.sequences.items()}
+    for s in shuffled.sequences.values():
+        s.ids = {t: i.flip(0) for t, i in s.ids.items()}
+    assert not torch.allclose(model.wide_input(x0, shuffled), got)
+    plain = _model()
+    lengths = model.tier_lengths(batch)
+    extra = sum(model.flops(lengths).values()) - sum(plain.flops(lengths).values())
+    wide_in_extra = n * (n - 1) // 2 * 2.0 * CFG.head_hidden * batch.size  # the heads' wider first layer
+    assert extra == pytest.approx(2.0 * batch.size * n * n * d + wide_in_extra)
+    with pytest.raises(ValueError, match="wide_dots=True needs wide_heads=True"):
+        dataclasses.replace(CFG, wide_dots=True, wide_heads=False)
 
 
 def test_bf16_autocast_is_close_to_fp32(batch):

@@ -11,17 +11,16 @@ products. This is the bar GEM must beat on NE.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from gem.modules.common import pairwise_dots
 from gem.modules.config import KunlunConfig, Task
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.heads import multitask_loss
 from gem.modules.inputs import GemInputs
-from gem.ops import segment_sum
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -49,20 +48,12 @@ class DLRMModel(nn.Module):
                                  nn.Linear(cfg.top_hidden, len(self.tasks)))
 
     def forward(self, inputs: GemInputs) -> dict[str, torch.Tensor]:
-        d = self.cfg.base.dim
         x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]
-        pooled, log_len = [], []
-        for name in self.event_types:
-            seq = inputs.sequences[name]
-            e = self.embeddings.events(seq)  # [ΣL, d]
-            pooled.append(segment_sum(e, seq.offsets) / math.sqrt(d))  # [B, d]
-            log_len.append(torch.log1p(seq.offsets.diff().float()))
+        log_len = [torch.log1p(inputs.sequences[name].offsets.diff().float()) for name in self.event_types]
         dense = torch.cat([inputs.dense, torch.stack(log_len, dim=1)], dim=1)
         bottom = self.bottom(dense)  # [B, d]
-        tokens = torch.cat([x, torch.stack(pooled, dim=1), bottom[:, None]], dim=1)  # [B, n_tok, d]
-        dots = torch.bmm(tokens, tokens.transpose(1, 2))  # [B, n_tok, n_tok]
-        iu = torch.triu_indices(self.n_tok, self.n_tok, offset=1, device=dots.device)
-        z = torch.cat([bottom, dots[:, iu[0], iu[1]]], dim=1)
+        tokens = torch.cat([x, self.embeddings.pooled_events(inputs), bottom[:, None]], dim=1)  # [B, n_tok, d]
+        z = torch.cat([bottom, pairwise_dots(tokens)], dim=1)
         logits = self.top(z)  # [B, T]
         return {t.name: logits[:, i].float() for i, t in enumerate(self.tasks)}
 

@@ -106,5 +106,16 @@ def block_pairs(lengths: torch.Tensor, block: int, shift: int = 0, align: str = 
     return total
 
 
+def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
+    """DLRM's dot interaction: the upper triangle (i < j) of tokens·tokensᵀ. [B, n, d] -> [B, n(n-1)/2]"""
+    n = tokens.shape[1]
+    iu = torch.triu_indices(n, n, offset=1, device=tokens.device)
+    return torch.bmm(tokens, tokens.transpose(1, 2))[:, iu[0], iu[1]]
+
+
+def pairwise_dots_flops(batch: int, n: int, d: int) -> float:
+    return 2.0 * batch * n * n * d  # the full n x n product, as bmm computes it
+
+
 def add_flops(acc: dict[str, float], key: str, value: float) -> None:
     acc[key] = acc.get(key, 0.0) + float(value)

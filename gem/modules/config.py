@@ -163,6 +163,10 @@ class KunlunConfig:
     memorisation path of Wide & Deep (docs/architecture.md §11). Per-id effects (an ad's own
     conversion rate) reach the logit through a small input instead of the deep head's flattened
     trunk, whose noise hides them from a sparse label such as post-click conversion."""
+    wide_dots: bool = False
+    """The wide heads also read the pairwise dot products of the raw tokens [X⁰ ‖ each event type's
+    sum-pooled history] (the FM part of DeepFM, DLRM's interaction): a user x ad affinity is a dot
+    product, which an MLP over concatenated embeddings learns slowly (docs/quality.md). Needs wide_heads."""
     tasks: tuple[Task, ...] = FUNNEL_TASKS
 
     def __post_init__(self) -> None:
@@ -178,6 +182,8 @@ class KunlunConfig:
         sparse = [s.name for s in self.features.sparse]
         if not set(self.features.candidate) <= set(sparse):
             raise ValueError(f"candidate features {list(self.features.candidate)} must be sparse features {sparse}")
+        if self.wide_dots and not self.wide_heads:
+            raise ValueError("wide_dots=True needs wide_heads=True: the dot products are an input of the wide heads")
         if self.seq_ffn not in ("pffn", "token_ffn"):
             raise ValueError(f"seq_ffn must be pffn or token_ffn, got {self.seq_ffn!r}")
         names = {t.name for t in self.tasks}

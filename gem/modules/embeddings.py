@@ -75,6 +75,13 @@ class FeatureEmbeddings(nn.Module):
             out = e if out is None else out + e
         return out
 
+    def pooled_events(self, inputs: GemInputs) -> torch.Tensor:
+        """Each event type's history as one token: the sum of its events' embeddings / √d, so a
+        long history's token stays near the others' scale. [B, num_event_types, d]"""
+        pooled = [segment_sum(self.events(inputs.sequences[e]), inputs.sequences[e].offsets)
+                  for e in self.cfg.features.event_types]
+        return torch.stack(pooled, dim=1) / math.sqrt(self.cfg.dim)
+
     def flops(self, batch: int) -> float:
         f, d = self.cfg.features, self.cfg.dim
         return linear_flops(batch, f.num_dense, self.cfg.num_dense_tokens * d) + sum(

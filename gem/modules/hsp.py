@@ -52,7 +52,7 @@ class HierarchicalSeedPooling(JaggedModule):
     def __init__(self, tier: TierConfig, *, rank: int, activation: str):
         super().__init__()
         self.tier, self.activation = tier, activation
-        dt, H, dh = tier.dim, tier.num_heads, tier.head_dim
+        dt, dh = tier.dim, tier.head_dim
         self.seeds = nn.Parameter(torch.randn(tier.num_seeds, dt))
         self.seed_norm = nn.LayerNorm(dt)
         self.w_q = nn.Linear(dt, dt, bias=False)

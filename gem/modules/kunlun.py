@@ -9,7 +9,8 @@
         S_sum_t = Gate(Proj([H_t ‖ last_K(S_t)]))            [B, n_out_t + K_t, d]
         X = LN(X + MoWE([X ‖ S_sum_all]))
     logits = Heads(flatten(LN([X ‖ Gate(LCE(X)) ‖ S_sum_all])), surface)
-           + WideHeads(flatten(LN(X⁰)), surface)                  (wide_heads; off: the first term)
+           + WideHeads(flatten(LN(X⁰)) [‖ triu(T·Tᵀ)], surface)      (wide_heads; off: the first term)
+    T = [X⁰ ‖ Σ-pooled events per type / √d]: DLRM's dot interaction      (wide_dots; off by default)
 
 Within a global layer the personalised FFN runs before HSP, so the summary the interaction
 reads is already conditioned on the candidate (X_sum holds the candidate ad's tokens); with the
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from gem.modules.attention import BlockAttentionLayer
-from gem.modules.common import JaggedModule, SelfGate, TokenLinear, add_flops, linear_flops
+from gem.modules.common import (JaggedModule, SelfGate, TokenLinear, add_flops, linear_flops, pairwise_dots,
+                               pairwise_dots_flops)
 from gem.modules.config import KunlunConfig, TierConfig
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.heads import MultiTaskHeads, multitask_loss
@@ -151,7 +153,10 @@ class KunlunModel(JaggedModule):
         self.heads = MultiTaskHeads(num_head_tokens * d, cfg)
         # Its own norm: LoopFM's logger hooks head_norm and expects one call per forward.
         self.wide_norm = nn.LayerNorm(d) if cfg.wide_heads else None
-        self.wide_heads = MultiTaskHeads(cfg.num_non_seq_tokens * d, cfg) if cfg.wide_heads else None
+        # wide_dots: no parameters, so the state-dict keys stay those of the default model
+        self.num_dot_tokens = cfg.num_non_seq_tokens + len(cfg.features.event_types) if cfg.wide_dots else 0
+        wide_in = cfg.num_non_seq_tokens * d + self.num_dot_tokens * (self.num_dot_tokens - 1) // 2
+        self.wide_heads = MultiTaskHeads(wide_in, cfg) if cfg.wide_heads else None
 
     def encode(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, TierBatch]]:
         x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]; sparse-feature tokens come first
@@ -173,8 +178,18 @@ class KunlunModel(JaggedModule):
         logits = self.heads(self.head_norm(h).flatten(1), inputs.surface)
         if self.wide_heads is None:
             return logits
-        wide = self.wide_heads(self.wide_norm(x0).flatten(1), inputs.surface)  # [B] per task
+        wide = self.wide_heads(self.wide_input(x0, inputs), inputs.surface)  # [B] per task
         return {task: logits[task] + wide[task] for task in logits}
+
+    def wide_input(self, x0: torch.Tensor, inputs: GemInputs) -> torch.Tensor:
+        """What the wide heads read: flatten(LN(X⁰)), and with wide_dots the pairwise dot products
+        of the raw tokens and each event type's pooled history (a user x ad affinity is a dot
+        product of latent vectors; measured, the heads did not learn more of it: docs/quality.md)."""
+        flat = self.wide_norm(x0).flatten(1)  # [B, N_ns·d]
+        if not self.num_dot_tokens:
+            return flat
+        tokens = torch.cat([x0, self.embeddings.pooled_events(inputs).to(x0.dtype)], dim=1)  # [B, n, d]
+        return torch.cat([flat, pairwise_dots(tokens).to(flat.dtype)], dim=1)
 
     def tp_plan(self, tp: int) -> dict[str, str]:
         """The layers tensor parallelism splits at degree tp (parallelize reads this; gem/parallel/tensor_parallel.py).
@@ -224,5 +239,5 @@ class KunlunModel(JaggedModule):
         add_flops(acc, "weight_gen", self.final_weight_gen.flops(B, self.cfg.dim))
         add_flops(acc, "heads", self.heads.flops(B))
         if self.wide_heads is not None:
-            add_flops(acc, "heads", self.wide_heads.flops(B))
+            add_flops(acc, "heads", self.wide_heads.flops(B) + pairwise_dots_flops(B, self.num_dot_tokens, self.cfg.dim))
         return acc
