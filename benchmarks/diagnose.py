@@ -4,7 +4,7 @@ and whether block attention loses anything against dense attention.
     python -m benchmarks.diagnose --jobs 2 --threads 1   # the reported run (~1 h on 2 idle cores)
     python -m benchmarks.diagnose --smoke                # the test's run (seconds)
     -> benchmarks/results/diagnose.json, diagnose.png
-    python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1   # -> diagnose_gem_wide_dots.json, .png (~35 min)
+    python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1  # -> diagnose_gem_wide_dots.json, .png
 
 Two questions benchmarks.quality and benchmarks.data_scaling leave open (docs/quality.md):
 
@@ -333,9 +333,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.axhline(1.0, color="k", linestyle="dashed", linewidth=0.8, label="the world's weight")
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{task}: logit coefficient per true term")
-        ax.legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend below, clear of the bars
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(f"What each model's logit follows, held-out world seed {quality.WORLD_SEED}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

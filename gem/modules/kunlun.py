@@ -239,5 +239,6 @@ class KunlunModel(JaggedModule):
         add_flops(acc, "weight_gen", self.final_weight_gen.flops(B, self.cfg.dim))
         add_flops(acc, "heads", self.heads.flops(B))
         if self.wide_heads is not None:
-            add_flops(acc, "heads", self.wide_heads.flops(B) + pairwise_dots_flops(B, self.num_dot_tokens, self.cfg.dim))
+            dots = pairwise_dots_flops(B, self.num_dot_tokens, self.cfg.dim)  # 0 without wide_dots
+            add_flops(acc, "heads", self.wide_heads.flops(B) + dots)
         return acc
