@@ -42,7 +42,6 @@ class DLRMModel(nn.Module):
         self.bottom = nn.Sequential(nn.Linear(base.features.num_dense + len(self.event_types), cfg.bottom_hidden),
                                     nn.ReLU(), nn.Linear(cfg.bottom_hidden, d))
         n_tok = base.num_non_seq_tokens + len(self.event_types) + 1  # + the bottom-MLP token
-        self.n_tok = n_tok
         self.top = nn.Sequential(nn.Linear(d + n_tok * (n_tok - 1) // 2, cfg.top_hidden), nn.ReLU(),
                                  nn.Linear(cfg.top_hidden, cfg.top_hidden), nn.ReLU(),
                                  nn.Linear(cfg.top_hidden, len(self.tasks)))
