@@ -51,6 +51,8 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.data_scaling --jobs 2
 	-$(PY) -m benchmarks.diagnose --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_wide_dots --jobs 2
+	-$(PY) -m benchmarks.diagnose --variant gem_plus_dlrm --jobs 2
+	-$(PY) -m benchmarks.diagnose --variant gem_plus_dlrm_shared --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:

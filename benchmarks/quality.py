@@ -127,13 +127,30 @@ class OverBatch(nn.Module):
         return self.inner(from_v1_batch(batch))
 
 
+class LogitSum(nn.Module):
+    """GEM and DLRM trained as one model, their logits added per task (`gem_plus_dlrm`, a
+    benchmarks.diagnose probe: does a jointly trained DLRM branch give GEM DLRM's user x ad
+    affinity?). `shared_embeddings`: the DLRM branch reads GEM's tables, so the dot products'
+    gradient reaches GEM's embeddings directly; otherwise it keeps its own."""
+
+    def __init__(self, gem: KunlunModel, dlrm: DLRMModel, *, shared_embeddings: bool):
+        super().__init__()
+        if shared_embeddings:
+            dlrm.embeddings = gem.embeddings  # one module, registered twice; parameters() dedups it
+        self.gem, self.dlrm = gem, dlrm
+
+    def forward(self, inputs) -> dict[str, torch.Tensor]:
+        a, b = self.gem(inputs), self.dlrm(inputs)
+        return {task: a[task] + b[task] for task in a}
+
+
 def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) -> ModelSpec:
     return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, gem_wide_dots, dlrm or padded;
-    initialised under `seed`."""
+    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, gem_wide_dots,
+    gem_plus_dlrm[_shared] (LogitSum), dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
@@ -144,6 +161,10 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
+    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared"):
+        gem = KunlunModel(kunlun_config(cfg))  # GEM first: its initial weights are those of kind "gem"
+        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg)))
+        return OverBatch(LogitSum(gem, dlrm, shared_embeddings=kind.endswith("_shared")), cfg.max_seq_len)
     if kind == "dlrm":
         return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
     if kind == "padded":
@@ -632,7 +653,8 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple"}
+MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
+                "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import diagnose, quality
 from gem.api.types import SyntheticDataSpec
+from gem.data.batch import make_batch
 from gem.data.synthetic import SyntheticWorld
 from gem.eval.evaluate import metrics_from_predictions
 from gem.model import config_from_spec, kunlun_config
@@ -122,3 +123,37 @@ def test_swapped_attention_agrees_on_short_histories_only():
     assert np.abs(c["pred_click"] - d["pred_click"])[~long].max() < 1e-5
     m = metrics_from_predictions([a])
     assert math.isfinite(m["ne/click"])
+
+
+@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared"])
+def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
+    """The LogitSum variants: GEM's part starts as kind "gem" does, every task's logit is GEM's plus
+    DLRM's, and only the shared variant hands DLRM's gradient to GEM's embedding tables."""
+    mode = quality.MODES["smoke"]
+    spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=300, num_ads=100, mean_history_len=40.0)
+    ex = SyntheticWorld(spec).sample(200, split=1)
+    mspec = quality.model_spec(mode["preset"], mode["max_seq_len"])
+    both = quality.build(kind, mspec, seed=3)
+    gem, dlrm = both.inner.gem, both.inner.dlrm
+    alone = quality.build("gem", mspec, seed=3).state_dict()
+    assert all(torch.equal(v, alone[k]) for k, v in gem.state_dict().items()) and len(alone) == len(gem.state_dict())
+    shared = kind.endswith("_shared")
+    assert (dlrm.embeddings is gem.embeddings) == shared
+    n = {name: sum(p.numel() for p in m.parameters()) for name, m in (("both", both), ("gem", gem), ("dlrm", dlrm))}
+    assert n["both"] == n["gem"] + n["dlrm"] - (sum(p.numel() for p in gem.embeddings.parameters()) if shared else 0)
+
+    with torch.no_grad():  # off the init, so that neither branch is near zero
+        for p in both.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    preds = {name: diagnose._predict(m, ex, mode["max_seq_len"]) for name, m in
+             (("both", both), ("gem", quality.OverBatch(gem, mode["max_seq_len"])),
+              ("dlrm", quality.OverBatch(dlrm, mode["max_seq_len"])))}
+    for task in ("click", "dwell"):
+        logit = {name: np.log(p[f"pred_{task}"]) - np.log1p(-p[f"pred_{task}"]) for name, p in preds.items()}
+        np.testing.assert_allclose(logit["both"], logit["gem"] + logit["dlrm"], atol=2e-4)
+        assert np.abs(logit["dlrm"]).max() > 1e-2
+
+    inputs = quality.from_v1_batch(make_batch(ex, np.arange(32), max_seq_len=mode["max_seq_len"]))
+    dlrm(inputs)["click"].sum().backward()  # DLRM's branch alone
+    reached = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in gem.embeddings.parameters()]
+    assert any(reached) == shared
