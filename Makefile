@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crds bench clean
+.PHONY: venv demo lint test crds bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ demo: $(STAMP)
 	$(DEMO_ENV) $(VENV)/bin/gemctl submit --local -f examples/quickstart.yaml --wait
 	@echo "MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.gem/mlflow.db"
 
-## test: the whole test suite
-test: $(STAMP)
+## lint: pyflakes-level checks (unused names, undefined names, syntax) over the whole tree
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+## test: lint, then the whole test suite
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 ## crds: regenerate manifests/crds and the chart's copy from gem/api/types.py

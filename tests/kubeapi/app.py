@@ -16,7 +16,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from . import patch as patches
-from .errors import ApiError, status_body
+from .errors import ApiError
 from .faults import Faults
 from .store import ResourceType, Store
 
@@ -279,7 +279,7 @@ class KubeApp:
         elif ctype in ("application/merge-patch+json", "application/json"):
             fn = patches.merge_patch
         else:
-            raise ApiError(415, f"the body of the request was in an unknown format - accepted media types include: "
+            raise ApiError(415, "the body of the request was in an unknown format - accepted media types include: "
                                 "application/json-patch+json, application/merge-patch+json, "
                                 "application/apply-patch+yaml", "UnsupportedMediaType")
         with self.store.lock:

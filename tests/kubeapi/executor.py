@@ -240,7 +240,7 @@ class PyTorchJobExecutor:
 
     def reconcile(self, t: ResourceType, job: dict) -> None:
         md = job["metadata"]
-        ns, name, uid = md["namespace"], md["name"], md["uid"]
+        name, uid = md["name"], md["uid"]
         js = self.jobs.get(uid)
         if js is None:
             js = self.jobs[uid] = JobState(master_port=free_port())
