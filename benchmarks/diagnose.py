@@ -5,7 +5,7 @@ and whether block attention loses anything against dense attention.
     python -m benchmarks.diagnose --smoke                # the test's run (seconds)
     -> benchmarks/results/diagnose.json, diagnose.png
     python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1  # -> diagnose_gem_wide_dots.json, .png
-    (likewise --variant gem_plus_dlrm and gem_plus_dlrm_shared)
+    (likewise --variant gem_plus_dlrm, gem_plus_dlrm_shared and gem_compskip_off)
 
 Two questions benchmarks.quality and benchmarks.data_scaling leave open (docs/quality.md):
 
@@ -59,8 +59,9 @@ KINDS = ("gem", "padded", "dlrm")  # of the quality benchmark's main study
 MORE_DATA_KINDS = ("gem", "dlrm")
 SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swapped in at evaluation
 # --variant: GEM whose wide heads also read dot products (KunlunConfig.wide_dots); GEM and DLRM trained
-# as one model, logits added, the DLRM branch with its own tables or GEM's (quality.LogitSum)
-VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared")
+# as one model, logits added, the DLRM branch with its own tables or GEM's (quality.LogitSum); GEM with
+# CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's)
+VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off")
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(quality="smoke", data_scaling="smoke", more_data_steps=16),
