@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import machine  # noqa: E402
 from gem.baselines import PaddedKunlunModel  # noqa: E402
 from gem.modules import PRESETS, KunlunModel  # noqa: E402
 from gem.modules.inputs import random_inputs  # noqa: E402
@@ -401,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.model" + (" --quick" if args.quick else "")
                    + (f" --threads {args.threads}" if args.threads else ""),
         "machine": {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine(),
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "precision": precision,
+                    **machine.cpu(), "precision": precision,
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "workload": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "seed": SEED,

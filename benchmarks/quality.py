@@ -51,7 +51,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -67,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import machine  # noqa: E402
 from gem.api.types import ModelSpec, SyntheticDataSpec, TrainingSpec  # noqa: E402
 from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel  # noqa: E402
 from gem.data import Examples, ShardedLoader  # noqa: E402
@@ -347,7 +347,7 @@ def study_command(module: str, args: argparse.Namespace) -> str:
 
 def study_machine(args: argparse.Namespace, load_before: tuple[float, ...]) -> dict[str, Any]:
     """Where a study ran: torch, CPU, workers x threads, load averages before and now."""
-    return {"torch": torch.__version__, "processor": platform.processor() or platform.machine(),
+    return {"torch": torch.__version__, **machine.cpu(),
             "workers": args.jobs, "threads": args.threads,
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()]}
@@ -654,7 +654,7 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
-                "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown"}
+                "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         "movielens": movielens,
         "precision": "fp32",
         "machine": {"cpu_threads": torch.get_num_threads(), "workers": args.jobs, "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine(),
+                    **machine.cpu(),
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in os.getloadavg()]},
     }

@@ -157,3 +157,13 @@ def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     dlrm(inputs)["click"].sum().backward()  # DLRM's branch alone
     reached = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in gem.embeddings.parameters()]
     assert any(reached) == shared
+
+
+@pytest.mark.parametrize("variant", diagnose.VARIANTS)
+def test_every_variant_is_a_model_the_study_can_train_and_plot(variant):
+    """`--variant` trains for an hour before it plots: a kind that quality.build cannot make or the
+    plot has no colour for must fail here instead."""
+    mode = quality.MODES["smoke"]
+    model = quality.build(variant, quality.model_spec(mode["preset"], mode["max_seq_len"]), seed=0)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert variant in quality.MODEL_COLORS
