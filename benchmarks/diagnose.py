@@ -34,7 +34,10 @@ overtaken GEM on conversion and dwell.
 `--variant KIND` (one of VARIANTS, a benchmarks.quality.build kind) trains that model on GEM's
 jobs instead (the same data, seeds and steps) and puts it beside GEM and DLRM as `--baseline`
 (a full run's JSON, default benchmarks/results/diagnose.json) has them: its runs are the same
-jobs, and seeded single-thread runs reproduce to the last digit, so they are not trained again.
+jobs, and seeded single-thread runs reproduce to the last digit on the same kind of CPU, so they
+are not trained again. On another CPU they differ by about a seed's spread: each JSON's `machine`
+names its CPU (benchmarks.machine.cpu), so compare a variant with its baseline per seed and in the
+mean, not to the last digit.
 """
 
 from __future__ import annotations

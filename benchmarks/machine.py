@@ -10,7 +10,8 @@ import torch
 
 def cpu() -> dict[str, str]:
     """The CPU model and the kernel set torch picked for it. Seeded single-thread runs reproduce to
-    the last digit only on the same kind of CPU: AVX2 and AVX-512 kernels round fp32 sums differently."""
+    the last digit only on the same kind of CPU: another CPU's kernels round fp32 sums differently,
+    and over a thousand steps that moves a run's NE by about as much as another seed does."""
     name = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
