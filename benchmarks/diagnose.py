@@ -63,8 +63,10 @@ MORE_DATA_KINDS = ("gem", "dlrm")
 SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swapped in at evaluation
 # --variant: GEM whose wide heads also read dot products (KunlunConfig.wide_dots); GEM and DLRM trained
 # as one model, logits added, the DLRM branch with its own tables or GEM's (quality.LogitSum); GEM with
-# CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's)
-VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off")
+# CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's);
+# CompSkip off whose summary is layer 0's, pooled before any attention (quality.FirstSummaryModel)
+VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off",
+            "gem_compskip_off_first_summary")
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(quality="smoke", data_scaling="smoke", more_data_steps=16),

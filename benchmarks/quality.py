@@ -77,6 +77,7 @@ from gem.eval.report import build_eval_report  # noqa: E402
 from gem.model import GEMModel, config_from_spec, kunlun_config  # noqa: E402
 from gem.model.loss import multitask_bce  # noqa: E402
 from gem.modules import KunlunModel, from_v1_batch  # noqa: E402
+from gem.modules.kunlun import KunlunLayer  # noqa: E402
 from gem.train.optim import build_optimizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -144,12 +145,26 @@ class LogitSum(nn.Module):
         return {task: a[task] + b[task] for task in a}
 
 
+class FirstSummaryLayer(KunlunLayer):
+    """A Kunlun layer that pools the HSP summary only in layer 0; later layers reuse it, as
+    CompSkip's local layers do (`gem_compskip_off_first_summary`, a benchmarks.diagnose probe: with
+    CompSkip off, is the click history term lost because the last summary pools events that block
+    attention has already mixed?)."""
+
+    def refreshes_summary(self) -> bool:
+        return self.index == 0
+
+
+class FirstSummaryModel(KunlunModel):
+    layer_cls = FirstSummaryLayer
+
+
 def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) -> ModelSpec:
     return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off, gem_wide_off, gem_wide_dots,
+    """gem (as `gem train` builds it), gem_compskip_off[_first_summary], gem_wide_off, gem_wide_dots,
     gem_plus_dlrm[_shared] (LogitSum), dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
@@ -157,6 +172,8 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return GEMModel(cfg)
     if kind == "gem_compskip_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
+    if kind == "gem_compskip_off_first_summary":
+        return OverBatch(FirstSummaryModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
     if kind == "gem_wide_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
@@ -400,7 +417,7 @@ def _cost(job: dict[str, Any]) -> float:
     spec = job["data"].get("spec", {})
     hist = min(job["max_seq_len"], 3 * spec.get("mean_history_len", job["max_seq_len"]))
     width = job.get("embedding_dim") or config_from_spec(model_spec(job["preset"], job["max_seq_len"])).embedding_dim
-    cost = job["steps"] * job["batch"] * hist * width * (1.5 if job["kind"] == "gem_compskip_off" else 1.0)
+    cost = job["steps"] * job["batch"] * hist * width * (1.5 if job["kind"].startswith("gem_compskip_off") else 1.0)
     return cost / 10 if job["kind"] == "dlrm" else cost
 
 
@@ -654,7 +671,8 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
-                "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray"}
+                "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray",
+                "gem_compskip_off_first_summary": "tab:olive"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

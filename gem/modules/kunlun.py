@@ -79,6 +79,7 @@ class KunlunLayer(JaggedModule):
         super().__init__()
         self.cfg, self.index = cfg, index
         self.runs_global, self.runs_local = cfg.layer_runs(index)
+        self.pools_summary = self.runs_global and self.refreshes_summary()
         n_ns, d = cfg.num_non_seq_tokens, cfg.dim
         local_index = index // 2 if cfg.compskip else index  # alternate block shifts across local layers
         self.weight_gen = WeightGen(n_ns, cfg.num_sum_tokens, d)
@@ -89,6 +90,7 @@ class KunlunLayer(JaggedModule):
                 self.seq_ffn[t.name] = (
                     PersonalizedFFN(t, dim=d, num_sum_tokens=cfg.num_sum_tokens, activation=cfg.gdpa_activation)
                     if cfg.seq_ffn == "pffn" else TokenFFN(t, mult=cfg.token_ffn_mult, activation=cfg.gdpa_activation))
+            if self.pools_summary:
                 self.hsp[t.name] = HierarchicalSeedPooling(t, rank=cfg.sum_kron_rank, activation=cfg.gdpa_activation)
             if self.runs_local:
                 self.attn[t.name] = self.make_attention(t, shift=(local_index % 2) * (t.block_size // 2))
@@ -97,6 +99,11 @@ class KunlunLayer(JaggedModule):
             num_in=n_ns + cfg.num_summary_tokens_total, num_out=n_ns, dim=d, num_experts=cfg.num_experts,
             expert_tokens=cfg.expert_tokens, rank=cfg.fm_rank, hidden=cfg.fm_hidden)
         self.norm = nn.LayerNorm(d)
+
+    def refreshes_summary(self) -> bool:
+        """Whether this global layer pools a fresh HSP summary (always; benchmarks.diagnose's
+        gem_compskip_off_first_summary probe pools it in layer 0 only)."""
+        return True
 
     def make_attention(self, tier: TierConfig, *, shift: int) -> nn.Module:
         """The local sequence layer; the padded-attention baseline overrides this."""
@@ -111,6 +118,7 @@ class KunlunLayer(JaggedModule):
             tb = tiers[t.name]
             if self.runs_global:
                 tb = tb.replace_values(self.seq_ffn[t.name](tb, x_sum))
+            if self.pools_summary:
                 cache[t.name] = self.hsp[t.name](tb)  # fresh summary, reused by the next local layer
             if self.runs_local:
                 tb = tb.replace_values(self.attn[t.name](tb))
@@ -129,6 +137,7 @@ class KunlunLayer(JaggedModule):
             if self.runs_global:
                 name = "pffn" if self.cfg.seq_ffn == "pffn" else "token_ffn"
                 add_flops(acc, name, self.seq_ffn[t.name].flops(batch, tokens))
+            if self.pools_summary:
                 add_flops(acc, "hsp", self.hsp[t.name].flops(batch, tokens))
             if self.runs_local:
                 add_flops(acc, "block_attention", self.attn[t.name].flops(lengths[t.name]))
