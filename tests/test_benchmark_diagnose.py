@@ -5,6 +5,7 @@ a plain per-example count of each tier's events (the long-history split)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,6 +19,7 @@ from gem.data.batch import make_batch
 from gem.data.synthetic import SyntheticWorld
 from gem.eval.evaluate import metrics_from_predictions
 from gem.model import config_from_spec, kunlun_config
+from gem.modules import KunlunModel, PRESETS
 
 
 def test_diagnose_smoke(tmp_path):
@@ -167,3 +169,34 @@ def test_every_variant_is_a_model_the_study_can_train_and_plot(variant):
     model = quality.build(variant, quality.model_spec(mode["preset"], mode["max_seq_len"]), seed=0)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert variant in quality.MODEL_COLORS
+
+
+def test_first_summary_layers_all_read_the_summary_layer_0_pooled():
+    """gem_compskip_off_first_summary (quality.FirstSummaryModel): CompSkip off, both paths in every
+    layer, but every layer's summary gate reads the very summary layer 0 pooled before any
+    attention; the hook it overrides (KunlunLayer.refreshes_summary) changes nothing by default."""
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=3, compskip=False)
+    spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=50, num_ads=40, mean_history_len=40.0)
+    inputs = quality.from_v1_batch(make_batch(SyntheticWorld(spec).sample(6, split=1), np.arange(6),
+                                              max_seq_len=cfg.tiers[0].max_seq_len))
+    torch.manual_seed(0)
+    model = quality.FirstSummaryModel(cfg)
+    assert [(len(l.hsp) > 0, len(l.seq_ffn) > 0, len(l.attn) > 0) for l in model.layers] == [
+        (True, True, True), (False, True, True), (False, True, True)]
+    produced, consumed = {}, {}
+    for name, hsp in model.layers[0].hsp.items():
+        hsp.register_forward_hook(lambda m, a, out, name=name: produced.__setitem__(name, out))
+    for i, layer in enumerate(model.layers):
+        for name, gate in layer.summary.items():
+            gate.register_forward_hook(lambda m, a, out, i=i, name=name: consumed.__setitem__((i, name), a[0]))
+    model(inputs)
+    for t in cfg.tiers:
+        assert all(consumed[(i, t.name)] is produced[t.name] for i in range(3))  # the very tensor
+    lengths = model.tier_lengths(inputs)
+    assert ["hsp" in layer.flops(inputs.size, lengths) for layer in model.layers] == [True, False, False]
+    # By default every layer pools, and layer 0 starts from the same weights as the probe's.
+    torch.manual_seed(0)
+    plain = KunlunModel(cfg)
+    assert all(len(l.hsp) == len(cfg.tiers) for l in plain.layers)
+    first = model.state_dict()
+    assert all(torch.equal(v, first[k]) for k, v in plain.state_dict().items() if k.startswith("layers.0."))

@@ -94,40 +94,6 @@ def test_compskip_alternates_layers_and_reuses_the_cached_summary(batch):
     assert 0.3 < 1 - total_on / total_off < 0.5
 
 
-def test_a_layer_that_does_not_refresh_the_summary_reuses_layer_0s(batch):
-    """refreshes_summary() = False (benchmarks.diagnose's gem_compskip_off_first_summary probe):
-    CompSkip off, both paths in every layer, but the summary every layer reads is the one layer 0
-    pooled before any attention; the default model's layers and initial weights are unchanged."""
-
-    class FirstSummaryLayer(KunlunModel.layer_cls):
-        def refreshes_summary(self):
-            return self.index == 0
-
-    class FirstSummaryModel(KunlunModel):
-        layer_cls = FirstSummaryLayer
-
-    cfg = dataclasses.replace(CFG, num_layers=3, compskip=False)
-    model = _model(cfg, cls=FirstSummaryModel)
-    assert [(len(l.hsp) > 0, len(l.seq_ffn) > 0, len(l.attn) > 0) for l in model.layers] == [
-        (True, True, True), (False, True, True), (False, True, True)]
-    produced, consumed = {}, {}
-    for name, hsp in model.layers[0].hsp.items():
-        hsp.register_forward_hook(lambda m, a, out, name=name: produced.__setitem__(name, out))
-    for i, layer in enumerate(model.layers):
-        for name, gate in layer.summary.items():
-            gate.register_forward_hook(lambda m, a, out, i=i, name=name: consumed.__setitem__((i, name), a[0]))
-    model(batch)
-    for t in CFG.tiers:
-        assert all(consumed[(i, t.name)] is produced[t.name] for i in range(3))
-    lengths = model.tier_lengths(batch)
-    assert ["hsp" in layer.flops(batch.size, lengths) for layer in model.layers] == [True, False, False]
-    # The hook changes nothing by default: same modules, same initial weights as before it existed.
-    plain = _model(cfg)
-    assert all(len(l.hsp) == len(cfg.tiers) for l in plain.layers)
-    first = model.state_dict()
-    assert all(torch.equal(v, first[k]) for k, v in plain.state_dict().items() if k.startswith("layers.0."))
-
-
 @pytest.mark.parametrize("seq_ffn,wide_dots", [("pffn", False), ("token_ffn", False), ("pffn", True)])
 def test_flop_count_matches_pytorch_flop_counter(seq_ffn, wide_dots):
     """With equal histories that are a multiple of the block, the tiled kernels do no padded work,
