@@ -170,10 +170,9 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "gem":
         return GEMModel(cfg)
-    if kind == "gem_compskip_off":
-        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
-    if kind == "gem_compskip_off_first_summary":
-        return OverBatch(FirstSummaryModel(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
+    if kind in ("gem_compskip_off", "gem_compskip_off_first_summary"):
+        cls = FirstSummaryModel if kind.endswith("_first_summary") else KunlunModel
+        return OverBatch(cls(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
     if kind == "gem_wide_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
