@@ -66,7 +66,7 @@ SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swappe
 # CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's);
 # CompSkip off whose summary is layer 0's, pooled before any attention (quality.FirstSummaryModel)
 VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off",
-            "gem_compskip_off_first_summary")
+            "gem_compskip_off_first_summary", "gem_compskip_off_early_recent")
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(quality="smoke", data_scaling="smoke", more_data_steps=16),

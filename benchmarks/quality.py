@@ -159,19 +159,37 @@ class FirstSummaryModel(KunlunModel):
     layer_cls = FirstSummaryLayer
 
 
+class EarlyRecentLayer(FirstSummaryLayer):
+    """FirstSummaryLayer whose layer 0 also takes the summary gate's last K events before its block
+    attention, as CompSkip's global layer 0 does (`gem_compskip_off_early_recent`: is the rest of
+    the click loss layer 0's MoWE reading recent events that attention has mixed?)."""
+
+    def reads_recent_after_attention(self) -> bool:
+        return self.index != 0
+
+
+class EarlyRecentModel(KunlunModel):
+    layer_cls = EarlyRecentLayer
+
+
+# CompSkip off (both paths in every layer) and the diagnose probes that make it read what CompSkip reads.
+COMPSKIP_OFF_MODELS = {"gem_compskip_off": KunlunModel, "gem_compskip_off_first_summary": FirstSummaryModel,
+                       "gem_compskip_off_early_recent": EarlyRecentModel}
+
+
 def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) -> ModelSpec:
     return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off[_first_summary], gem_wide_off, gem_wide_dots,
+    """gem (as `gem train` builds it), gem_compskip_off[_first_summary|_early_recent], gem_wide_off, gem_wide_dots,
     gem_plus_dlrm[_shared] (LogitSum), dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
         return GEMModel(cfg)
-    if kind in ("gem_compskip_off", "gem_compskip_off_first_summary"):
-        cls = FirstSummaryModel if kind.endswith("_first_summary") else KunlunModel
+    if kind in COMPSKIP_OFF_MODELS:
+        cls = COMPSKIP_OFF_MODELS[kind]
         return OverBatch(cls(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
     if kind == "gem_wide_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
@@ -671,7 +689,7 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
                 "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray",
-                "gem_compskip_off_first_summary": "tab:olive"}
+                "gem_compskip_off_first_summary": "tab:olive", "gem_compskip_off_early_recent": "tab:cyan"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

@@ -200,3 +200,37 @@ def test_first_summary_layers_all_read_the_summary_layer_0_pooled():
     assert all(len(l.hsp) == len(cfg.tiers) for l in plain.layers)
     first = model.state_dict()
     assert all(torch.equal(v, first[k]) for k, v in plain.state_dict().items() if k.startswith("layers.0."))
+
+
+def test_early_recent_layer_0_takes_its_recent_events_before_attention():
+    """gem_compskip_off_early_recent (quality.EarlyRecentModel): the first-summary probe whose
+    layer 0 takes the summary gate's last K events before its block attention, as CompSkip's
+    global layer 0 does; later layers take them after theirs, and so does every layer by default
+    (KunlunLayer.reads_recent_after_attention)."""
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=3, compskip=False)
+    spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=50, num_ads=40, mean_history_len=40.0)
+    inputs = quality.from_v1_batch(make_batch(SyntheticWorld(spec).sample(6, split=1), np.arange(6),
+                                              max_seq_len=cfg.tiers[0].max_seq_len))
+
+    def recent_reads(model):
+        """(layer, tier) -> whether the gate's events are the attention's input or output."""
+        seen, read = {}, {}
+        for i, layer in enumerate(model.layers):
+            for name, attn in layer.attn.items():
+                attn.register_forward_hook(lambda m, a, out, i=i, name=name: seen.__setitem__((i, name), (a[0], out)))
+            for name, gate in layer.summary.items():
+                gate.register_forward_hook(lambda m, a, out, i=i, name=name: read.__setitem__((i, name), a[1]))
+        model(inputs)
+        return {key: ("before" if read[key] is seen[key][0] else "after" if read[key].values is seen[key][1] else None)
+                for key in read}
+
+    torch.manual_seed(0)
+    probe = quality.EarlyRecentModel(cfg)
+    reads = recent_reads(probe)
+    assert reads == {(i, t.name): "before" if i == 0 else "after" for i in range(3) for t in cfg.tiers}
+    assert [len(l.hsp) > 0 for l in probe.layers] == [True, False, False]  # the first-summary probe's pooling
+    torch.manual_seed(0)
+    plain = KunlunModel(cfg)
+    assert set(recent_reads(plain).values()) == {"after"}
+    built = quality.build("gem_compskip_off_early_recent", quality.model_spec("tiny", 32)).inner
+    assert type(built) is quality.EarlyRecentModel and not built.cfg.compskip

@@ -105,6 +105,12 @@ class KunlunLayer(JaggedModule):
         gem_compskip_off_first_summary probe pools it in layer 0 only)."""
         return True
 
+    def reads_recent_after_attention(self) -> bool:
+        """Whether the summary gate's last-K events are taken after this layer's block attention
+        (always; benchmarks.diagnose's gem_compskip_off_early_recent probe takes layer 0's before it,
+        as CompSkip's global layer 0, which runs no attention, does)."""
+        return True
+
     def make_attention(self, tier: TierConfig, *, shift: int) -> nn.Module:
         """The local sequence layer; the padded-attention baseline overrides this."""
         return BlockAttentionLayer(tier, shift=shift)
@@ -120,10 +126,12 @@ class KunlunLayer(JaggedModule):
                 tb = tb.replace_values(self.seq_ffn[t.name](tb, x_sum))
             if self.pools_summary:
                 cache[t.name] = self.hsp[t.name](tb)  # fresh summary, reused by the next local layer
+            recent = tb  # the events the summary gate takes its last K from
             if self.runs_local:
                 tb = tb.replace_values(self.attn[t.name](tb))
+                recent = tb if self.reads_recent_after_attention() else recent
             tiers[t.name] = tb
-            summaries.append(self.summary[t.name](cache[t.name], tb, self.kernel))
+            summaries.append(self.summary[t.name](cache[t.name], recent, self.kernel))
         s_sum = torch.cat(summaries, dim=1)  # [B, Σ(n_out + K), d]
         z = torch.cat([x, s_sum.to(x.dtype)], dim=1)
         return self.norm(x + self.mowe(z)), tiers, s_sum
