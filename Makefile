@@ -59,6 +59,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.diagnose --variant gem_plus_dlrm_shared --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_compskip_off --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_compskip_off_first_summary --jobs 2
+	-$(PY) -m benchmarks.diagnose --variant gem_compskip_off_early_recent --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:

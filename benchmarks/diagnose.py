@@ -5,7 +5,7 @@ and whether block attention loses anything against dense attention.
     python -m benchmarks.diagnose --smoke                # the test's run (seconds)
     -> benchmarks/results/diagnose.json, diagnose.png
     python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1  # -> diagnose_gem_wide_dots.json, .png
-    (likewise --variant gem_plus_dlrm, gem_plus_dlrm_shared and gem_compskip_off)
+    (likewise every other kind in VARIANTS)
 
 Two questions benchmarks.quality and benchmarks.data_scaling leave open (docs/quality.md):
 
@@ -64,7 +64,8 @@ SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swappe
 # --variant: GEM whose wide heads also read dot products (KunlunConfig.wide_dots); GEM and DLRM trained
 # as one model, logits added, the DLRM branch with its own tables or GEM's (quality.LogitSum); GEM with
 # CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's);
-# CompSkip off whose summary is layer 0's, pooled before any attention (quality.FirstSummaryModel)
+# CompSkip off whose summary is layer 0's, pooled before any attention (quality.FirstSummaryModel), and
+# that probe with layer 0's last K events also taken before its attention (quality.EarlyRecentModel)
 VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off",
             "gem_compskip_off_first_summary", "gem_compskip_off_early_recent")
 
