@@ -189,8 +189,8 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
     if kind == "gem":
         return GEMModel(cfg)
     if kind in COMPSKIP_OFF_MODELS:
-        cls = COMPSKIP_OFF_MODELS[kind]
-        return OverBatch(cls(dataclasses.replace(kunlun_config(cfg), compskip=False)), cfg.max_seq_len)
+        return OverBatch(COMPSKIP_OFF_MODELS[kind](dataclasses.replace(kunlun_config(cfg), compskip=False)),
+                         cfg.max_seq_len)
     if kind == "gem_wide_off":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":

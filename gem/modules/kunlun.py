@@ -80,6 +80,7 @@ class KunlunLayer(JaggedModule):
         self.cfg, self.index = cfg, index
         self.runs_global, self.runs_local = cfg.layer_runs(index)
         self.pools_summary = self.runs_global and self.refreshes_summary()
+        self.recent_after_attention = self.runs_local and self.reads_recent_after_attention()
         n_ns, d = cfg.num_non_seq_tokens, cfg.dim
         local_index = index // 2 if cfg.compskip else index  # alternate block shifts across local layers
         self.weight_gen = WeightGen(n_ns, cfg.num_sum_tokens, d)
@@ -129,7 +130,8 @@ class KunlunLayer(JaggedModule):
             recent = tb  # the events the summary gate takes its last K from
             if self.runs_local:
                 tb = tb.replace_values(self.attn[t.name](tb))
-                recent = tb if self.reads_recent_after_attention() else recent
+            if self.recent_after_attention:
+                recent = tb
             tiers[t.name] = tb
             summaries.append(self.summary[t.name](cache[t.name], recent, self.kernel))
         s_sum = torch.cat(summaries, dim=1)  # [B, Σ(n_out + K), d]
