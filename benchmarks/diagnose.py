@@ -60,6 +60,7 @@ from benchmarks import data_scaling, quality  # noqa: E402
 TASKS = ("click", "conversion", "dwell")
 KINDS = ("gem", "padded", "dlrm")  # of the quality benchmark's main study
 MORE_DATA_KINDS = ("gem", "dlrm")
+MAIN_OUT = quality.RESULTS / "diagnose.json"  # the main run's JSON (a variant's default baseline)
 SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swapped in at evaluation
 # --variant: GEM whose wide heads also read dot products (KunlunConfig.wide_dots); GEM and DLRM trained
 # as one model, logits added, the DLRM branch with its own tables or GEM's (quality.LogitSum); GEM with
@@ -351,20 +352,27 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _shown(path: Path) -> str:
+    """A path as the recorded command shows it: relative to the repository where it is inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _variant_args(p) -> None:
     p.add_argument("--variant", choices=VARIANTS, help="train this model on GEM's jobs instead of the main runs")
-    p.add_argument("--baseline", type=Path, default=quality.RESULTS / "diagnose.json",
+    p.add_argument("--baseline", type=Path, default=MAIN_OUT,
                    help="with --variant: the main run's JSON whose GEM and DLRM it is compared with")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = quality.study_cli(__doc__.split("\n\n")[0], quality.RESULTS / "diagnose.json", argv, extra=_variant_args)
+    args = quality.study_cli(__doc__.split("\n\n")[0], MAIN_OUT, argv, extra=_variant_args)
     import torch
 
     name = "smoke" if args.smoke else "full"
     mode = MODES[name]
-    if args.variant and args.out == quality.RESULTS / "diagnose.json":
-        args.out = quality.RESULTS / f"diagnose_{args.variant}.json"  # never overwrite the main run's
+    default_out = quality.RESULTS / f"diagnose_{args.variant}.json" if args.variant else MAIN_OUT
+    if args.variant and args.out == MAIN_OUT:
+        args.out = default_out  # never overwrite the main run's
     base = json.loads(args.baseline.read_text()) if args.variant and args.baseline.exists() else {}
     t0, load_before = time.time(), os.getloadavg()
     torch.set_num_threads(args.threads)
@@ -375,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs = plan(mode, args.threads)
     res = quality.run_jobs(jobs, args.jobs, fn=run_job)
     body = variant_study(mode, jobs, res, args.variant, base, args.baseline) if args.variant else study(mode, jobs, res)
-    command = quality.study_command("benchmarks.diagnose", args) + (f" --variant {args.variant}" if args.variant else "")
+    command = (quality.study_command("benchmarks.diagnose", args) + (f" --variant {args.variant}" if args.variant else "")
+               + (f" --baseline {_shown(args.baseline)}" if args.variant and args.baseline != MAIN_OUT else "")
+               + (f" --out {_shown(args.out)}" if args.out != default_out else ""))
     doc = {"command": command, "mode": name, "world_seed": quality.WORLD_SEED, **body, "precision": "fp32",
            "machine": quality.study_machine(args, load_before),
            "wall_seconds": round(time.time() - t0, 1)}

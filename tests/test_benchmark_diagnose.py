@@ -27,6 +27,8 @@ def test_diagnose_smoke(tmp_path):
     assert diagnose.main(["--smoke", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["mode"] == "smoke" and doc["world_seed"] == quality.WORLD_SEED
+    # The recorded command reproduces this JSON: the --out it was written to included.
+    assert doc["command"] == f"python -m benchmarks.diagnose --smoke --threads 1 --out {out.resolve()}"
     world = SyntheticWorld(SyntheticDataSpec(**doc["world"]))
 
     # The fit reads the terms right: the world's own probabilities get every coefficient 1, and
@@ -66,7 +68,9 @@ def test_diagnose_smoke(tmp_path):
     vout = tmp_path / "variant.json"
     assert diagnose.main(["--smoke", "--variant", "gem_wide_dots", "--baseline", str(out), "--out", str(vout)]) == 0
     v = json.loads(vout.read_text())
-    assert v["variant"] == "gem_wide_dots" and v["command"].endswith("--variant gem_wide_dots")
+    assert v["variant"] == "gem_wide_dots"
+    assert v["command"] == ("python -m benchmarks.diagnose --smoke --threads 1 --variant gem_wide_dots "
+                            f"--baseline {out.resolve()} --out {vout.resolve()}")
     for kind in ("gem", "dlrm"):
         assert v["ne"][f"s{seeds[0]}/{kind}"] == doc["ne"][f"s{seeds[0]}/{kind}"]
         assert v["terms"]["more_data"][kind] == doc["terms"]["more_data"][kind]
