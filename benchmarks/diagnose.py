@@ -6,6 +6,9 @@ and whether block attention loses anything against dense attention.
     -> benchmarks/results/diagnose.json, diagnose.png
     python -m benchmarks.diagnose --variant gem_wide_dots --jobs 2 --threads 1  # -> diagnose_gem_wide_dots.json, .png
     (likewise every other kind in VARIANTS)
+    python -m benchmarks.diagnose --jobs 2 --threads 1 --out benchmarks/results/diagnose_xeon.json
+    -> the main runs on another CPU; a variant run there compares with them through
+       --baseline benchmarks/results/diagnose_xeon.json (the recorded command names both)
 
 Two questions benchmarks.quality and benchmarks.data_scaling leave open (docs/quality.md):
 
