@@ -355,12 +355,6 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _shown(path: Path) -> str:
-    """A path as the recorded command shows it: relative to the repository where it is inside it."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def _variant_args(p) -> None:
     p.add_argument("--variant", choices=VARIANTS, help="train this model on GEM's jobs instead of the main runs")
     p.add_argument("--baseline", type=Path, default=MAIN_OUT,
@@ -373,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
     name = "smoke" if args.smoke else "full"
     mode = MODES[name]
-    default_out = quality.RESULTS / f"diagnose_{args.variant}.json" if args.variant else MAIN_OUT
-    if args.variant and args.out == MAIN_OUT:
-        args.out = default_out  # never overwrite the main run's
+    if args.variant:
+        args.default_out = quality.RESULTS / f"diagnose_{args.variant}.json"
+        if args.out == MAIN_OUT:
+            args.out = args.default_out  # never overwrite the main run's
     base = json.loads(args.baseline.read_text()) if args.variant and args.baseline.exists() else {}
     t0, load_before = time.time(), os.getloadavg()
     torch.set_num_threads(args.threads)
@@ -387,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     res = quality.run_jobs(jobs, args.jobs, fn=run_job)
     body = variant_study(mode, jobs, res, args.variant, base, args.baseline) if args.variant else study(mode, jobs, res)
     command = (quality.study_command("benchmarks.diagnose", args) + (f" --variant {args.variant}" if args.variant else "")
-               + (f" --baseline {_shown(args.baseline)}" if args.variant and args.baseline != MAIN_OUT else "")
-               + (f" --out {_shown(args.out)}" if args.out != default_out else ""))
+               + (f" --baseline {quality.shown_path(args.baseline)}" if args.variant and args.baseline != MAIN_OUT else ""))
     doc = {"command": command, "mode": name, "world_seed": quality.WORLD_SEED, **body, "precision": "fp32",
            "machine": quality.study_machine(args, load_before),
            "wall_seconds": round(time.time() - t0, 1)}

@@ -370,13 +370,23 @@ def study_cli(description: str, default_out: Path, argv: list[str] | None,
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--jobs", type=int, default=1,
                    help="training runs at once, in a process pool (results are identical to --jobs 1)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.default_out = default_out  # study_command records --out only where it differs
+    return args
+
+
+def shown_path(path: Path) -> str:
+    """A path as a recorded command shows it: relative to the repository where it is inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def study_command(module: str, args: argparse.Namespace) -> str:
-    """The command that reproduces a study's JSON, as recorded in it."""
+    """The command that reproduces a study's JSON, as recorded in it (study_cli's options; a study
+    appends its own)."""
     return (f"python -m {module}" + (" --smoke" if args.smoke else "")
-            + (f" --jobs {args.jobs}" if args.jobs > 1 else "") + f" --threads {args.threads}")
+            + (f" --jobs {args.jobs}" if args.jobs > 1 else "") + f" --threads {args.threads}"
+            + (f" --out {shown_path(args.out)}" if args.out != args.default_out else ""))
 
 
 def study_machine(args: argparse.Namespace, load_before: tuple[float, ...]) -> dict[str, Any]:
@@ -802,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "command": command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
         + (f" --threads {args.threads}" if args.threads else "")
-        + (f" --skip {' '.join(args.skip)}" if args.skip else ""),
+        + (f" --skip {' '.join(args.skip)}" if args.skip else "")
+        + (f" --out {shown_path(args.out)}" if args.out != RESULTS / "quality.json" else ""),
         "mode": name,
         "world_seed": WORLD_SEED,
         "train_seed": TRAIN_SEED,

@@ -21,6 +21,7 @@ def test_data_scaling_smoke(tmp_path):
     doc = json.loads(out.read_text())
     mode = data_scaling.MODES["smoke"]
     assert doc["mode"] == "smoke" and doc["world_seed"] == quality.WORLD_SEED
+    assert doc["command"] == f"python -m benchmarks.data_scaling --smoke --threads 1 --out {out.resolve()}"
 
     # Bayes: the NE of the held-out world's true click probabilities on the eval split.
     spec = SyntheticDataSpec(**doc["world"])

@@ -69,8 +69,8 @@ def test_diagnose_smoke(tmp_path):
     assert diagnose.main(["--smoke", "--variant", "gem_wide_dots", "--baseline", str(out), "--out", str(vout)]) == 0
     v = json.loads(vout.read_text())
     assert v["variant"] == "gem_wide_dots"
-    assert v["command"] == ("python -m benchmarks.diagnose --smoke --threads 1 --variant gem_wide_dots "
-                            f"--baseline {out.resolve()} --out {vout.resolve()}")
+    assert v["command"] == (f"python -m benchmarks.diagnose --smoke --threads 1 --out {vout.resolve()} "
+                            f"--variant gem_wide_dots --baseline {out.resolve()}")
     for kind in ("gem", "dlrm"):
         assert v["ne"][f"s{seeds[0]}/{kind}"] == doc["ne"][f"s{seeds[0]}/{kind}"]
         assert v["terms"]["more_data"][kind] == doc["terms"]["more_data"][kind]

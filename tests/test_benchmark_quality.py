@@ -29,6 +29,7 @@ def test_quality_benchmark_smoke(tmp_path):
     quality.main(["--smoke", "--out", str(out)])  # exit status: whether the bars are met (not here)
     doc = json.loads(out.read_text())
     assert doc["mode"] == "smoke" and doc["world_seed"] == quality.WORLD_SEED
+    assert doc["command"] == f"python -m benchmarks.quality --smoke --out {out.resolve()}"
 
     # Keys: every task the model predicts x (all + every surface of the eval split).
     mode = quality.MODES["smoke"]

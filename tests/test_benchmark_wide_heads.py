@@ -13,6 +13,7 @@ def test_wide_heads_benchmark_smoke(tmp_path):
     assert wide_heads.main(["--smoke", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     mode = wide_heads.MODES["smoke"]
+    assert doc["command"] == f"python -m benchmarks.wide_heads --smoke --threads 1 --out {out.resolve()}"
     assert set(doc["curves"]) == set(wide_heads.CURVE_MODELS)
     for kind, run in doc["curves"].items():
         assert [p["step"] for p in run["curve"]] == list(range(mode["every"], mode["steps"] + 1, mode["every"]))
