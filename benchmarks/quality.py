@@ -81,6 +81,7 @@ from gem.modules.kunlun import KunlunLayer  # noqa: E402
 from gem.train.optim import build_optimizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+QUALITY_OUT = RESULTS / "quality.json"  # the report of record (--out's default)
 WORLD_SEED = 20261202  # held out: no model or default was tuned on this world
 TRAIN_SEED = 0  # parameter init and data order, identical for every model
 MODELS = ("gem", "dlrm", "padded")
@@ -781,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a development run (minutes), smaller everything")
     g.add_argument("--smoke", action="store_true", help="the test's run: tiny models, a few steps (seconds)")
-    p.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    p.add_argument("--out", type=Path, default=QUALITY_OUT)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 when the machine is busier than its cores, else all cores:"
                         " on a shared machine a 2-thread op waits a scheduler slice for its second thread)")
@@ -813,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
         + (f" --threads {args.threads}" if args.threads else "")
         + (f" --skip {' '.join(args.skip)}" if args.skip else "")
-        + (f" --out {shown_path(args.out)}" if args.out != RESULTS / "quality.json" else ""),
+        + (f" --out {shown_path(args.out)}" if args.out != QUALITY_OUT else ""),
         "mode": name,
         "world_seed": WORLD_SEED,
         "train_seed": TRAIN_SEED,
