@@ -2,7 +2,9 @@
 
     python -m benchmarks.quality [--quick | --smoke] [--jobs N] [--out benchmarks/results/quality.json]
 
-Results and how to read them: docs/quality.md (the reported run: `--jobs 2 --threads 1`).
+Results and how to read them: docs/quality.md (the reported run: `--jobs 2 --threads 1`; the
+same main study on an Intel Xeon: `--jobs 2 --threads 1 --skip scaling movielens --out
+benchmarks/results/quality_xeon.json`).
 
 Four studies, all in one process, each model trained by the same loop (below) on the same
 examples in the same order, for the same number of steps, with the same optimizer:
@@ -738,7 +740,9 @@ def plot_main(doc: dict[str, Any], path: Path) -> None:
         ax.set_title("MovieLens-100K (higher is better)")
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "MovieLens-100K not available", ha="center")
+        # Say why (skipped, or the loader's error) rather than leave an empty chart.
+        ax.text(0.5, 0.5, f"MovieLens-100K: {ml.get('reason', 'not available')}", ha="center", wrap=True)
+        ax.axis("off")
     fig.suptitle(f"GEM vs baselines, held-out world seed {WORLD_SEED}; CompSkip on vs off: "
                  f"{100 * doc['compskip_ne_delta_rel']:.2f}% relative NE")
     fig.tight_layout()
