@@ -741,7 +741,7 @@ def plot_main(doc: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     else:
         # Say why (skipped, or the loader's error) rather than leave an empty chart.
-        ax.text(0.5, 0.5, f"MovieLens-100K: {ml.get('reason', 'not available')}", ha="center", wrap=True)
+        ax.text(0.5, 0.5, f"MovieLens-100K: {ml['reason']}", ha="center", wrap=True)
         ax.axis("off")
     fig.suptitle(f"GEM vs baselines, held-out world seed {WORLD_SEED}; CompSkip on vs off: "
                  f"{100 * doc['compskip_ne_delta_rel']:.2f}% relative NE")

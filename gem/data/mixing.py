@@ -6,7 +6,7 @@ source hands out its next examples from its own stream -- a per-epoch seeded per
 source, sharded by rank (the same scheme as ShardedLoader). Only indices move: each source is
 gathered in place (`make_batch`) and the per-source pieces are concatenated into one jagged
 Batch. A source is in-memory `Examples` (synthetic, or a Parquet eval/train split read whole);
-for a streamed Parquet training split use one ParquetLoader per source and `mix_loaders`.
+for a streamed Parquet training split use one ParquetLoader per source and `MixedLoaders`.
 
 State: `{"position", "cursors"}` (batches handed out, examples taken per source). `cursors`
 is a pure function of `position` (they can be replayed), and is saved too so resuming is O(1).
@@ -118,11 +118,6 @@ class MixedLoader:
             parts.append(make_batch(self.sources[k], index, max_seq_len=self.max_seq_len))
         self.position += 1
         return concat_batches(parts)
-
-
-def mix_loaders(loaders: Mapping[str, Any], weights: Mapping[str, float], *, batch_size: int, seed: int = 0) -> Any:
-    """Mix streamed loaders (e.g. ParquetLoaders) with per-batch weights: see MixedLoaders."""
-    return MixedLoaders(loaders, weights, batch_size=batch_size, seed=seed)
 
 
 class MixedLoaders:

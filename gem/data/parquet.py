@@ -335,9 +335,6 @@ class ParquetLoader:
         perm = np.random.default_rng([self.seed, 1, epoch]).permutation(n)
         return perm[self.rank :: self.world_size][: n // self.world_size]
 
-    def windows_per_epoch(self) -> int:
-        return -(-self.batches_per_epoch // self.window)
-
     def _read_window(self, epoch: int, w: int) -> tuple[list[np.ndarray], Examples]:
         """Window w of an epoch: its rows (read from the row groups covering them) and batch indices."""
         groups = self._rank_groups(epoch)

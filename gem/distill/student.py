@@ -18,11 +18,12 @@ from torch import nn
 from gem.api.types import StudentSpec
 from gem.data.batch import Batch
 from gem.data.synthetic import NUM_DENSE
-from gem.model.embeddings import NUM_EVENT_TYPE_BUCKETS, NUM_SURFACE_BUCKETS, hash_ids
-from gem.model.gem import TASKS
+from gem.modules.embeddings import hash_ids
 from gem.model.jagged import segment_ids
 
 USER_BUCKETS, ITEM_BUCKETS, CAMPAIGN_BUCKETS = 1 << 12, 1 << 11, 1 << 9  # a vertical model is small
+NUM_SURFACE_BUCKETS = NUM_EVENT_TYPE_BUCKETS = 8  # more than the synthetic world has: room for new ones
+TASKS = ("click", "conversion")  # the distillation tasks (gem.model.loss.task_labels)
 
 
 class StudentModel(nn.Module):

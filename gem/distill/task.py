@@ -68,8 +68,3 @@ def kd_loss(student: dict[str, torch.Tensor], teacher: dict[str, torch.Tensor], 
         soft = masked_bce(student[task].float() / T, torch.sigmoid(teacher[task].float() / T), masks[task])
         parts[task] = (1 - a) * hard + a * soft
     return sum(parts.values()), parts
-
-
-def build_task(manifest: LoopFMDistill, *, device: torch.device):
-    """The Task of a LoopFMDistill: plain KD or LoopFM (memory features + aux head + adapter)."""
-    return DistillTask(manifest, device=device)

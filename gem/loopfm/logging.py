@@ -31,7 +31,6 @@ from torch import nn
 from gem.data.batch import make_batch
 from gem.data.synthetic import Examples
 from gem.loopfm.memory import EmbeddingMemory
-from gem.model.embeddings import NUM_NON_SEQ_TOKENS
 from gem.model.jagged import segment_ids
 
 LOG_BATCH = 512
@@ -103,7 +102,7 @@ class UserRepresentation:
         q = self._captured  # [B, Nq, d]
         self._captured = None
         user = q[:, 0]  # [B, d]
-        seeds = q[:, NUM_NON_SEQ_TOKENS:].mean(dim=1)  # [B, d]
+        seeds = q[:, self.model.cfg.num_non_seq_tokens:].mean(dim=1)  # [B, d]: the summaries
         return out, torch.cat([user, seeds], dim=1).float()
 
 

@@ -39,9 +39,9 @@ from torch import nn
 
 from gem.api.types import DistillationSpec, StudentSpec
 from gem.data.batch import Batch
-from gem.distill.student import CAMPAIGN_BUCKETS, ITEM_BUCKETS, USER_BUCKETS, StudentModel
+from gem.distill.student import CAMPAIGN_BUCKETS, ITEM_BUCKETS, NUM_SURFACE_BUCKETS, USER_BUCKETS, StudentModel
 from gem.loopfm.memory import MemoryIndex
-from gem.model.embeddings import NUM_SURFACE_BUCKETS, hash_ids
+from gem.modules.embeddings import hash_ids
 
 _DEFAULTS = DistillationSpec()
 TRAINING_ONLY = ("aux_heads.", "adapter.")  # parameter prefixes that are never served

@@ -15,7 +15,7 @@ from gem.model.config import PRESETS, GEMConfig, config_from_spec, kunlun_config
 if TYPE_CHECKING:
     from gem.model.kunlun import GEMModel
 
-_LAZY = {"TASKS": "gem.model.gem", "GEMModelV1": "gem.model.gem", "GEMModel": "gem.model.kunlun"}
+_LAZY = {"GEMModel": "gem.model.kunlun"}
 
 
 def build_model(spec: ModelSpec) -> GEMModel:
@@ -31,5 +31,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gem.model' has no attribute {name!r}")
 
 
-__all__ = ["GEMConfig", "GEMModel", "GEMModelV1", "PRESETS", "TASKS", "build_model", "config_from_spec",
-           "kunlun_config"]
+__all__ = ["GEMConfig", "GEMModel", "PRESETS", "build_model", "config_from_spec", "kunlun_config"]

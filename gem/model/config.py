@@ -24,10 +24,6 @@ class GEMConfig:
     """Most recent events kept per example (and per tier after merging)."""
     preset: str = "tiny"
     """The Kunlun preset (gem.modules.config.PRESETS) that fixes everything not listed here."""
-    num_seeds: int = 4
-    """GEM v1 only (gem.model.gem.GEMModelV1): learned query tokens."""
-    hidden_dim: int = 256
-    """GEM v1 only: width of the interaction MLP."""
     user_buckets: int = 1 << 14
     """Hash buckets of the user id table (users are many: they are hashed, collisions allowed)."""
     item_buckets: int = 1 << 13
@@ -35,7 +31,7 @@ class GEMConfig:
     campaign_buckets: int = 1 << 11
     """Hash buckets of the campaign table."""
     num_time_buckets: int = 32
-    """Log-spaced buckets of an event's age (see gem.model.embeddings.time_bucket)."""
+    """Log-spaced buckets of an event's age (see gem.modules.oneseq.time_bucket)."""
     tasks: tuple[str, ...] = ("click", "conversion", "dwell")
     """Funnel tasks with a head, trained (losses masked where a label is unknown) and evaluated
     (gem/eval): consideration (click), conversion (post-click) and awareness (dwell)."""
@@ -43,16 +39,14 @@ class GEMConfig:
 
 PRESETS: dict[str, GEMConfig] = {
     # tests and CPU demos
-    "tiny": GEMConfig(embedding_dim=32, num_heads=2, num_layers=2, max_seq_len=64, preset="tiny", num_seeds=2,
-                      hidden_dim=64, user_buckets=1 << 12, item_buckets=1 << 11, campaign_buckets=1 << 9),
-    "small": GEMConfig(embedding_dim=128, num_heads=4, num_layers=2, max_seq_len=2048, preset="small",
-                       hidden_dim=128),
+    "tiny": GEMConfig(embedding_dim=32, num_heads=2, num_layers=2, max_seq_len=64, preset="tiny",
+                      user_buckets=1 << 12, item_buckets=1 << 11, campaign_buckets=1 << 9),
+    "small": GEMConfig(embedding_dim=128, num_heads=4, num_layers=2, max_seq_len=2048, preset="small"),
     # GPU
-    "base": GEMConfig(embedding_dim=256, num_heads=8, num_layers=4, max_seq_len=4096, preset="base", num_seeds=8,
-                      hidden_dim=1024, user_buckets=1 << 20, item_buckets=1 << 18, campaign_buckets=1 << 15),
+    "base": GEMConfig(embedding_dim=256, num_heads=8, num_layers=4, max_seq_len=4096, preset="base",
+                      user_buckets=1 << 20, item_buckets=1 << 18, campaign_buckets=1 << 15),
     "large": GEMConfig(embedding_dim=512, num_heads=8, num_layers=8, max_seq_len=16384, preset="large",
-                       num_seeds=16, hidden_dim=2048, user_buckets=1 << 22, item_buckets=1 << 20,
-                       campaign_buckets=1 << 16),
+                       user_buckets=1 << 22, item_buckets=1 << 20, campaign_buckets=1 << 16),
 }
 
 

@@ -6,7 +6,7 @@ jagged sequence per event type). It keeps the small surface other tools rely on:
 
 * `max_seq_len`: events of history the model reads;
 * `norm_out`: the LayerNorm over the head input [B, N_ns + ..., d], whose first token is the user
-  token after the interaction layers and whose tokens from NUM_NON_SEQ_TOKENS on are the
+  token after the interaction layers and whose tokens from cfg.num_non_seq_tokens on are the
   summaries (X_sum and the sequence summaries): what GEM v1's norm_out held in the same places.
 """
 

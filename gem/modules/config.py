@@ -1,13 +1,13 @@
 """Configs of the Kunlun GEM model: features, event tiers, tasks and the model itself.
 
 Everything is a keyword-only, slotted, frozen dataclass; `PRESETS` holds the four sizes
-(tiny: tests, small: CPU demo, base and large: GPU). `KunlunConfig.with_features` swaps the
-feature schema, `dataclasses.replace` everything else.
+(tiny: tests, small: CPU demo, base and large: GPU); `dataclasses.replace` derives a variant
+(a preset with other features, tiers or tasks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 # --------------------------------------------------------------------------- features
 
@@ -205,9 +205,6 @@ class KunlunConfig:
         if not self.compskip:
             return True, True
         return index % 2 == 0, index % 2 == 1
-
-    def with_features(self, features: FeatureSchema) -> "KunlunConfig":
-        return replace(self, features=features)
 
 
 # --------------------------------------------------------------------------- presets

@@ -21,10 +21,6 @@ class EventSequence:
     ids: dict[str, torch.Tensor]  # table name -> int64 [ΣL]
     surface: torch.Tensor | None = None  # int64 [ΣL], where the event happened (None: surface 0)
 
-    @property
-    def num_events(self) -> int:
-        return int(self.timestamps.numel())
-
 
 @dataclass
 class GemInputs:

@@ -51,11 +51,6 @@ def check_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets")
                       f"{name}[-1] ({int(offsets[-1])}) must equal the number of values ({num_values})")
 
 
-def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
-    """[B+1] -> [B]"""
-    return offsets.diff()
-
-
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     """[B] -> [B+1], starting at 0."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)

@@ -45,14 +45,6 @@ def is_expert_ensemble(module: nn.Module) -> bool:
         getattr(module, "expert_combine", None) in COMBINES
 
 
-def combine_outputs(outputs: list[torch.Tensor], how: str) -> torch.Tensor:
-    """The single-device combination: what ExpertParallel reproduces."""
-    if how == "concat":
-        return torch.cat(outputs, dim=-1)
-    total = torch.stack(outputs).sum(0)
-    return total / len(outputs) if how == "mean" else total
-
-
 class ExpertParallel(nn.Module):
     """An ensemble whose experts are spread over an expert-parallel group."""
 

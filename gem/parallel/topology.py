@@ -224,10 +224,6 @@ class Topology:
     def nodes_per_domain(self, level: Level) -> int:
         return max(1, level.size // self.procs_per_node)
 
-    def domain_of(self, rank: int, level: Level) -> int:
-        """Index of the domain of `level` that holds global rank `rank`."""
-        return rank // level.size
-
     def common_level(self, rank_a: int, rank_b: int) -> Level:
         """The innermost level whose domain holds both ranks (the link between them)."""
         for lvl in self.levels:

@@ -338,11 +338,6 @@ def check_suspendable(obj: Resource, suspend: bool) -> None:
         )
 
 
-def has_condition(obj: Resource, type_: str, status: str = "True") -> bool:
-    """Whether the object has a condition of `type_` with `status`."""
-    return any(c.type == type_ and c.status == status for c in (obj.status.conditions if obj.status else []))
-
-
 def pod_from_wire(pod: dict[str, Any]) -> ReplicaPod:
     """A Pod (raw JSON, or the local backend's Pod-like dict) as a ReplicaPod."""
     meta = pod.get("metadata") or {}

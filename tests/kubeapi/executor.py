@@ -616,14 +616,14 @@ class PyTorchJobExecutor:
                     self.store.delete(pods_t, job["metadata"]["namespace"], pname)
                 except ApiError:
                     pass
+        # Services go with the pods whatever the policy (the operator's DeletePodsAndServices).
         svcs = self.store.types[("", "services")]
-        if True:  # services go with the pods (DeletePodsAndServices)
-            for s in self.store.list(svcs, job["metadata"]["namespace"], f"{L_JOB}={job['metadata']['name']}")[0]:
-                if any(r.get("uid") == job["metadata"]["uid"] for r in s["metadata"].get("ownerReferences") or ()):
-                    try:
-                        self.store.delete(svcs, job["metadata"]["namespace"], s["metadata"]["name"])
-                    except ApiError:
-                        pass
+        for s in self.store.list(svcs, job["metadata"]["namespace"], f"{L_JOB}={job['metadata']['name']}")[0]:
+            if any(r.get("uid") == job["metadata"]["uid"] for r in s["metadata"].get("ownerReferences") or ()):
+                try:
+                    self.store.delete(svcs, job["metadata"]["namespace"], s["metadata"]["name"])
+                except ApiError:
+                    pass
 
     # ------------------------------------------------------------------ writes
 

@@ -70,10 +70,6 @@ class ResourceType:
         v = version or self.storage_version or self.versions[0]
         return f"{self.group}/{v}" if self.group else v
 
-    @property
-    def qualified(self) -> str:
-        return f"{self.plural}.{self.group}" if self.group else self.plural
-
 
 def _builtin_types() -> list[ResourceType]:
     rw = ["get", "patch", "update"]
@@ -265,13 +261,6 @@ class Store:
             raise ApiError(404, "the server could not find the requested resource", "NotFound",
                            {"group": group, "kind": plural})
         return t
-
-    def type_for_kind(self, api_version: str, kind: str) -> ResourceType | None:
-        group, _, version = api_version.rpartition("/")
-        for t in self.types.values():
-            if t.group == group and t.kind == kind and version in t.versions:
-                return t
-        return None
 
     # ------------------------------------------------------------------ basics
 
