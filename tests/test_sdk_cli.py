@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -165,3 +172,106 @@ def test_against_the_api_server(kubeapi, tmp_path):
     assert rows[1].split()[:4] == ["k8s", "Succeeded", "100%", "0.8000"]
     assert gemctl("delete", "gt", "k8s", "--kubeconfig", kc).exit_code == 0
     assert gemctl("get", "gt", "k8s", "--kubeconfig", kc).exit_code == 3
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+def test_submit_follow_keeps_to_the_timeout(home, monkeypatch):
+    # The log stream must not get the whole timeout and then the wait all of it again.
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(fake_trainer(seconds=30)))
+    r = gemctl("submit", "-f", write(home, "slow"), "--follow", "--timeout", "2", "--local")
+    assert r.exit_code == 4, r.output
+    assert "timed out after 2s waiting for GEMTraining default/slow" in r.stderr
+
+
+def test_submit_follow_of_a_suspended_job_does_what_wait_does(home):
+    def suspended(name: str) -> str:
+        return write(home, name, MANIFEST.format(name=name).replace("spec:\n", "spec:\n  suspend: true\n"))
+
+    waited = gemctl("submit", "-f", suspended("w"), "--wait", "--timeout", "1", "--local")
+    followed = gemctl("submit", "-f", suspended("f"), "--follow", "--timeout", "1", "--local")
+    assert waited.exit_code == followed.exit_code == 4, followed.output
+    assert "pod" not in followed.stderr and "phase Suspended" in followed.stderr
+
+
+def test_submit_follow_of_a_job_invalid_before_its_pod_starts(kubeapi, tmp_path):
+    kc = str(kubeapi.kubeconfig_path)
+    detail = "spec.data.path: /no/such/dir does not exist"
+
+    def reject_like_the_operator() -> None:
+        while kubeapi.get("gem.dev/v1alpha1", "GEMTraining", "inv") is None:
+            time.sleep(0.05)
+        kubeapi.patch_status("gem.dev/v1alpha1", "GEMTraining", "inv", {
+            "phase": "Invalid", "message": detail,
+            "conditions": [{"type": "Valid", "status": "False", "reason": "InvalidSpec", "message": detail}]})
+
+    threading.Thread(target=reject_like_the_operator, daemon=True).start()
+    r = gemctl("submit", "-f", write(tmp_path, "inv"), "--follow", "--timeout", "60", "--kubeconfig", kc)
+    assert r.exit_code == 1, r.output
+    assert f"invalid: InvalidSpec: {detail}" in r.stderr and "cleaned up" not in r.stderr
+
+
+@pytest.mark.parametrize("text,field", [
+    ("apiVersion: gem.dev/v1alpha1\nkind: GEMTraining\nmetadata:\n- name: x\n", "metadata: must be a mapping"),
+    ("apiVersion: gem.dev/v1alpha1\nkind: [GEMTraining]\nmetadata: {name: x}\n", "kind: must be a string"),
+])
+def test_a_malformed_manifest_is_a_usage_error(home, text, field):
+    r = gemctl("submit", "-f", write(home, "malformed", text), "--local")
+    assert r.exit_code == 2 and field in r.stderr, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_an_unexpected_error_is_one_line_and_not_exit_1(home, monkeypatch):
+    from gem_sdk._client import GEMClient
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(GEMClient, "get", broken)
+    r = gemctl("get", "gt", "x", "--local")
+    assert r.exit_code == 5 and r.stderr.strip().splitlines() == [
+        "Error: unexpected RuntimeError: boom (a bug in gemctl; GEMCTL_DEBUG=1 shows the traceback)"]
+    monkeypatch.setenv("GEMCTL_DEBUG", "1")
+    r = gemctl("get", "gt", "x", "--local")
+    assert isinstance(r.exception, RuntimeError)  # a developer sees the traceback
+
+
+TICKER = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.05)\n"
+
+
+def ticker(job: dict) -> dict:
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        rs["template"]["spec"]["containers"][0].update(command=[sys.executable, "-c", TICKER], args=[])
+    return job
+
+
+def test_a_closed_stdout_exits_0_quietly(home, monkeypatch):
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(ticker))
+    assert gemctl("submit", "-f", write(home, "tick"), "--local").exit_code == 0
+    # `gemctl logs gt tick -f | grep -m1 tick`: the reader goes away after one line.
+    proc = subprocess.Popen([sys.executable, "-m", "gem_sdk.cli", "logs", "gt", "tick", "-f", "--local"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    assert proc.stdout.readline() == b"tick\n"
+    proc.stdout.close()
+    try:
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert rc == 0 and proc.stderr.read() == b""
+
+
+def _exit_code_example() -> str:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sdk.md").read_text()
+    section = doc[doc.index("### Exit codes"):]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("code,says", [(1, "training failed"), (4, "still running"), (5, "could not run")])
+def test_the_documented_exit_code_example_works(tmp_path, code, says):
+    fake = tmp_path / "gemctl"
+    fake.write_text(f"#!/bin/sh\nexit {code}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", _exit_code_example()], capture_output=True, text=True, env=env, timeout=30)
+    assert says in out.stdout, out

@@ -174,6 +174,20 @@ def test_validation_error_names_camelcase_paths_and_fixes():
     assert "spec.training.stpes" in str(err)
 
 
+@pytest.mark.parametrize("change,path,fix", [
+    ({"metadata": ["name", "x"]}, "metadata", "must be a mapping"),
+    ({"metadata": "x"}, "metadata", "must be a mapping"),
+    ({"kind": ["GEMTraining"]}, "kind", "must be a string"),
+    ({"kind": {"a": 1}}, "kind", "must be a string"),
+    ({"metadata": {"name": "x", "namespace": ["a"]}}, "metadata.namespace", "must be a string"),
+])
+def test_a_misshapen_manifest_is_a_validation_error(change, path, fix):
+    body = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"}, "spec": {}, **change}
+    with pytest.raises(ValidationError) as info:
+        to_model(body)
+    assert [e.path for e in info.value.errors] == [path] and fix in info.value.errors[0].message
+
+
 def test_missing_required_field_says_what_it_is():
     with pytest.raises(ValidationError, match=r"spec.teacher: required: set it \(The foundation model"):
         to_model({"kind": "LoopFMDistill", "metadata": {"name": "d"}, "spec": {}})

@@ -316,3 +316,36 @@ def test_logs_of_a_missing_job_or_replica(client):
         client.logs("nolog", replica="master", index=3)
     with pytest.raises(WaitTimeoutError):
         client.logs("nolog", timeout=0.5)
+
+
+def test_logs_of_a_replica_the_job_does_not_have(client):
+    client.submit({**manifest("two"), "spec": {"training": {"steps": 5}, "parallelism": {"numNodes": 2}}})
+    # Not a wait for a pod that can never exist (the timeout only bounds the wait for a real one).
+    with pytest.raises(NotFoundError, match="has no pod two-train-worker-5: .* workers 0..0"):
+        client.logs("two", replica="worker", index=5, timeout=5)
+    with pytest.raises(NotFoundError, match="has no pod two-train-worker-1"):
+        client.logs("two", replica="worker", index=1, timeout=5)
+
+
+def test_logs_work_with_kubernetes_clients_before_35(client, kubeapi, monkeypatch):
+    # kubernetes<35 has no Watch.stream(deserialize=...): it passes it on to the API call, which
+    # raises ApiTypeError; and its events' `object` is a model, the JSON being in `raw_object`.
+    import kubernetes
+
+    stream = kubernetes.watch.Watch.stream
+
+    def stream_before_35(self, func, *args, **kwargs):
+        if "deserialize" in kwargs:
+            func(*args, **kwargs)
+        yield from stream(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(kubernetes.watch.Watch, "stream", stream_before_35)
+    client.submit(manifest("old"))
+    script = "print('hello', flush=True)\n"
+
+    def create_job_later() -> None:
+        time.sleep(0.5)  # logs() must watch for the pod
+        kubeapi.create("kubeflow.org/v1", "PyTorchJob", _script_job("old-train", script))
+
+    threading.Thread(target=create_job_later, daemon=True).start()
+    assert list(client.logs("old", follow=True, timeout=30)) == ["hello"]

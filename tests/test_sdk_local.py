@@ -216,6 +216,16 @@ def test_a_dead_supervisor_is_reported(client, root):
         client.wait(job, timeout=30)
 
 
+def test_a_reused_supervisor_pid_is_not_taken_for_the_supervisor(client, root):
+    job = fake(client, "sleep").submit(training("reused", nodes=1))
+    client.wait(job, until=["Running"], timeout=30)
+    pid_file = root / "default" / "gemtrainings" / "reused" / "supervisor.pid"
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    pid_file.write_text(str(os.getpid()))  # after a crash or reboot the pid names another process
+    with pytest.raises(BackendError, match="supervisor .* exited without finishing"):
+        client.wait(job, timeout=10)
+
+
 def test_follow_logs_until_the_pod_exits(client):
     job = fake(client, seconds=1.0).submit(training("follow", nodes=1))
     lines = list(client.logs(job, follow=True, timeout=30))

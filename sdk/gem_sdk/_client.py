@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
+from gem_sdk._exceptions import WaitTimeoutError
 from gem_sdk._objects import phase_of, pod_name
 from gem_sdk._types import (
     FAILED_PHASES,
@@ -206,7 +208,8 @@ class GEMClient:
             An iterator of log lines, without their newlines.
 
         Raises:
-            NotFoundError: no such job, or it ended without that pod.
+            NotFoundError: no such job, it has no such replica (one master, workers
+                0..numNodes-2), or it ended without that pod.
             ValidationError: bad replica or index.
             WaitTimeoutError: the pod did not start within `timeout`.
             BackendError: the API or the local runtime failed.
@@ -475,34 +478,69 @@ class GEMClient:
         return self.backend.metrics(name, kind=kind, namespace=namespace, keys=keys)
 
 
-def _interleave(sources: list[tuple[str, Callable[[], Iterator[str]]]]) -> Iterator[tuple[str, str]]:
+def _interleave(
+    sources: list[tuple[str, Callable[[], Iterator[str]]]], *, deadline: float | None = None
+) -> Iterator[tuple[str, str]]:
     """Lines of several streams, each read by its own thread, in the order they arrive.
 
-    An error of any stream is raised once the others are done with what they had.
+    An error of any stream is raised once the others are done with what they had. With a
+    `deadline` (a `time.monotonic()` value), WaitTimeoutError is raised when it passes, even while
+    every stream is blocked. Once the consumer stops, the readers stop at their next line.
     """
     lines: queue.Queue = queue.Queue(maxsize=1000)
     done = object()
+    stopped = threading.Event()
+
+    def hand_over(item: tuple[str, object]) -> None:
+        while not stopped.is_set():  # a full queue nobody reads any more must not block forever
+            try:
+                lines.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def pump(pod: str, open_stream: Callable[[], Iterator[str]]) -> None:
         try:
             for line in open_stream():
-                lines.put((pod, line))
+                if stopped.is_set():
+                    return
+                hand_over((pod, line))
         except BaseException as e:  # handed to the consumer
-            lines.put((pod, e))
+            hand_over((pod, e))
         finally:
-            lines.put((pod, done))
+            hand_over((pod, done))
 
     threads = [threading.Thread(target=pump, args=src, daemon=True, name=f"logs-{src[0]}") for src in sources]
     for t in threads:
         t.start()
     open_streams, error = len(threads), None
-    while open_streams:
-        pod, item = lines.get()
-        if item is done:
-            open_streams -= 1
-        elif isinstance(item, BaseException):
-            error = error or item
-        else:
-            yield pod, item
+    try:
+        while open_streams:
+            try:
+                pod, item = lines.get(timeout=_time_left(deadline, raise_when_over=True))
+            except queue.Empty:
+                continue  # the deadline has passed: the next _time_left raises
+            if item is done:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                error = error or item
+            else:
+                yield pod, item
+    finally:
+        stopped.set()
     if error is not None:
         raise error
+
+
+def _time_left(deadline: float | None, *, raise_when_over: bool = False) -> float | None:
+    """Seconds until `deadline` (a `time.monotonic()` value; None: no limit), at least 0.
+
+    Raises:
+        WaitTimeoutError: it has passed and `raise_when_over` is set.
+    """
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0 and raise_when_over:
+        raise WaitTimeoutError("timed out streaming the logs")
+    return max(0.0, left)

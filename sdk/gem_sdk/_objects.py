@@ -19,6 +19,7 @@ from gem_sdk._exceptions import (
     BackendError,
     FieldError,
     JobFailedError,
+    NotFoundError,
     ValidationError,
     describe,
 )
@@ -98,6 +99,7 @@ def to_model(obj: ObjectInput, *, kind: str | None = None, namespace: str | None
         )
 
     body.pop("status", None)
+    _check_shape(body)
     meta = dict(body.get("metadata") or {})
     for key in _SERVER_METADATA:
         meta.pop(key, None)
@@ -134,6 +136,35 @@ def to_model(obj: ObjectInput, *, kind: str | None = None, namespace: str | None
             errors=field_errors(e, KINDS[kind]["model"]),
             kind=kind, namespace=meta.get("namespace"), name=name,
         ) from None
+
+
+def _check_shape(body: dict[str, Any]) -> None:
+    """The fields `to_model` reads itself, before pydantic sees the body, must have the right
+    type: a list where a mapping belongs would otherwise escape as a TypeError or ValueError.
+
+    Raises:
+        ValidationError: naming each misshapen field and the fix.
+    """
+    errors = []
+    kind, meta = body.get("kind"), body.get("metadata")
+    if kind is not None and not isinstance(kind, str):
+        errors.append(FieldError("kind", f"must be a string, e.g. `kind: GEMTraining`; got a {_yaml_type(kind)}"))
+    if meta is not None and not isinstance(meta, dict):
+        errors.append(FieldError("metadata", "must be a mapping, e.g. `metadata: {name: quick}` (keys indented "
+                                             f"under it, no leading '-'); got a {_yaml_type(meta)}"))
+    elif meta is not None and meta.get("namespace") is not None and not isinstance(meta["namespace"], str):
+        errors.append(FieldError("metadata.namespace", f"must be a string; got a {_yaml_type(meta['namespace'])}"))
+    if errors:
+        raise ValidationError("invalid manifest", errors=errors)
+
+
+def _yaml_type(value: Any) -> str:
+    """What YAML calls a value's type, for messages about a manifest."""
+    if isinstance(value, dict):
+        return "mapping"
+    if isinstance(value, list):
+        return "list"
+    return type(value).__name__
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -262,6 +293,25 @@ def pod_name(kind: str, name: str, replica: str, index: int) -> str:
     if index < 0 or (replica == "master" and index != 0):
         raise ValidationError(f"there is one master (index 0) and workers 0..numNodes-2; got {replica} {index}")
     return f"{job_name(kind, name)}-{replica}-{index}"
+
+
+def check_replica_exists(obj: Resource, replica: str, index: int) -> None:
+    """That the job has this replica: one master and spec.parallelism.numNodes-1 workers, so a
+    pod that can never exist is an error now rather than a wait for it.
+
+    Raises:
+        NotFoundError: the index is past the job's last worker (or master).
+    """
+    nodes = obj.spec.parallelism.num_nodes
+    count = 1 if replica.lower() == "master" else nodes - 1
+    if index >= count:
+        workers = f"workers 0..{nodes - 2}" if nodes > 1 else "no worker"
+        raise NotFoundError(
+            f"{describe(obj.kind, obj.metadata.namespace, obj.metadata.name)} has no pod "
+            f"{pod_name(obj.kind, obj.metadata.name, replica, index)}: spec.parallelism.numNodes is {nodes}, "
+            f"so it has one master and {workers}",
+            kind=obj.kind, namespace=obj.metadata.namespace, name=obj.metadata.name,
+        )
 
 
 # --------------------------------------------------------------------------- waiting

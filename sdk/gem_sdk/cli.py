@@ -7,30 +7,37 @@ Exit codes (stable, for scripts):
     2  usage or validation error (bad flags, bad kind, invalid spec)
     3  not found (job, teacher or pod)
     4  timed out (wait --timeout)
-    5  backend or API error (unreachable cluster, forbidden, CRDs missing, already exists, ...)
+    5  backend or API error (unreachable cluster, forbidden, CRDs missing, already exists, ...),
+       or an unexpected error in gemctl itself (GEMCTL_DEBUG=1 shows its traceback)
+
+A closed stdout (`gemctl logs ... | head -1`) ends the command quietly with 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import time
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import click
 import typer
 import yaml
 from rich.console import Console
 
-from gem_sdk._client import GEMClient
+from gem_sdk._client import GEMClient, _interleave, _time_left
 from gem_sdk._exceptions import (
     GEMError,
     JobFailedError,
     NotFoundError,
     ValidationError,
     WaitTimeoutError,
+    describe,
 )
 from gem_sdk._format import (
     ProgressReporter,
@@ -43,10 +50,12 @@ from gem_sdk._format import (
     to_json,
     to_yaml,
 )
-from gem_sdk._objects import load_documents
+from gem_sdk._objects import load_documents, phase_of, pod_name
 from gem_sdk._types import KubernetesBackendConfig, LocalBackendConfig, Resource, resolve_kind
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_BACKEND = 0, 1, 2, 3, 4, 5
+#: Set (to anything) to let an unexpected error out with its traceback instead of one line.
+DEBUG_ENV = "GEMCTL_DEBUG"
 
 app = typer.Typer(
     name="gemctl",
@@ -124,14 +133,44 @@ def exit_code(error: BaseException) -> int:
 
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
-    """Print SDK errors as one `Error: ...` message on stderr and exit with their code."""
+    """Print SDK errors as one `Error: ...` message on stderr and exit with their code.
+
+    Exit 1 means "the job failed" to scripts, so nothing else may end with it: a closed stdout
+    exits 0 and an unexpected exception (a bug) exits 5, in one line unless $GEMCTL_DEBUG is set.
+    """
     try:
         yield
+        sys.stdout.flush()  # a closed pipe fails here, not at interpreter exit
     except GEMError as e:
         _console(stderr=True).print(f"Error: {e}", style="red", markup=False)
         raise typer.Exit(exit_code(e)) from None
+    except BrokenPipeError:
+        _discard_stdout()
+        raise typer.Exit(EXIT_OK) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        raise  # click's own way out, with its own code
+    except Exception as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        _console(stderr=True).print(
+            f"Error: unexpected {type(e).__name__}: {e} (a bug in gemctl; {DEBUG_ENV}=1 shows the traceback)",
+            style="red", markup=False,
+        )
+        raise typer.Exit(EXIT_BACKEND) from None
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone (`| head -1`), so that flushing it at
+    exit does not fail a second time (what the Python docs on SIGPIPE recommend)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (e.g. captured in tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _echo(line: str) -> None:
@@ -196,12 +235,43 @@ def submit(
             _show(created, output, single=len(created) == 1)
         if not (wait or follow):
             return
+        # One deadline for the whole command: each log and wait gets only the time left.
+        deadline = None if timeout is None else time.monotonic() + timeout
         for obj in created:
-            if follow:
-                for line in client.logs(obj, follow=True, timeout=timeout):
-                    _echo(line)
-            _wait_and_show(client, obj, output, progress=False if follow and progress is None else progress,
-                           timeout=timeout)
+            try:
+                followed = follow and _follow_log(client, obj, deadline)
+                # Without a log on stdout, show the progress as --wait does.
+                _wait_and_show(client, obj, output, progress=False if followed and progress is None else progress,
+                               timeout=_time_left(deadline))
+            except WaitTimeoutError as e:
+                raise _timed_out(obj, timeout, e) from None
+
+
+def _follow_log(client: GEMClient, obj: Resource, deadline: float | None) -> bool:
+    """Stream the master's log until its container exits; WaitTimeoutError at the deadline.
+
+    Returns False, with nothing streamed, when the pod never started: the job ended first (e.g.
+    Invalid) or is suspended. The wait that comes next then says why, with its exit code.
+    """
+    pod = pod_name(obj.kind, obj.metadata.name, "master", 0)
+    try:
+        # Read by a thread so that the deadline holds while the stream blocks.
+        for _, line in _interleave([(pod, lambda: client.logs(obj, follow=True, timeout=_time_left(deadline)))],
+                                   deadline=deadline):
+            _echo(line)
+    except NotFoundError:
+        return False
+    return True
+
+
+def _timed_out(obj: Resource, timeout: float | None, error: WaitTimeoutError) -> WaitTimeoutError:
+    """The error for a submit --timeout that ran out: it names the whole timeout, not what was
+    left of it for the last step."""
+    ref = {"kind": obj.kind, "namespace": obj.metadata.namespace, "name": obj.metadata.name}
+    after = f" after {timeout:g}s" if timeout is not None else ""
+    phase = f" (phase {phase_of(error.object)})" if error.object is not None else ""
+    return WaitTimeoutError(f"timed out{after} waiting for {describe(**ref)} to finish{phase}",
+                            object=error.object, **ref)
 
 
 def _wait_and_show(client: GEMClient, obj: Resource | str, output: Output, *, progress: bool | None,

@@ -16,6 +16,7 @@ from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION
 from gem_sdk._exceptions import BackendError, NotFoundError, WaitTimeoutError, describe
 from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
+    check_replica_exists,
     check_suspendable,
     describe_until,
     from_wire,
@@ -277,7 +278,8 @@ class KubernetesBackend(Backend):
     ) -> Iterator[str]:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         pod = pod_name(kind, name, replica, index)
-        self.get(name, kind=kind, namespace=ns)  # NotFoundError now, not at the first next()
+        job = self.get(name, kind=kind, namespace=ns)  # NotFoundError now, not at the first next()
+        check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
         self._wait_for_pod(kind, ns, name, pod, timeout)
         # follow as kubectl sends it ("true"); the client would send Python's "True", which a
         # strict server (e.g. the test API server) does not take for true.
@@ -335,10 +337,12 @@ class KubernetesBackend(Backend):
                 for event in w.stream(
                     self.core.list_namespaced_pod, ns, field_selector=selector,
                     resource_version=(body.get("metadata") or {}).get("resourceVersion"),
-                    timeout_seconds=max(1, math.ceil(segment)), deserialize=False,
+                    timeout_seconds=max(1, math.ceil(segment)),
                     _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
                 ):
-                    if event.get("type") in ("ADDED", "MODIFIED") and self._pod_started(event.get("object")):
+                    # raw_object, the pod as JSON, is in every client version's events; `object`
+                    # is a V1Pod unless deserialize=False, which clients before 35 do not accept.
+                    if event.get("type") in ("ADDED", "MODIFIED") and self._pod_started(event.get("raw_object")):
                         return
             except ApiException as e:
                 if e.status != 410:

@@ -32,6 +32,7 @@ from gem_sdk._exceptions import (
 )
 from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
+    check_replica_exists,
     check_suspendable,
     describe_until,
     from_wire,
@@ -87,6 +88,12 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def _supervisor_running(pid: int | None) -> bool:
+    """Whether pid is a live supervisor: after a crash or reboot supervisor.pid may name an
+    unrelated process that reuses the pid, which must not count as the job running."""
+    return pid is not None and _alive(pid) and _is_supervisor(pid)
 
 
 def _is_supervisor(pid: int) -> bool:
@@ -287,9 +294,7 @@ class LocalBackend(Backend):
     def _stop(self, d: Path) -> None:
         """Stop the job's supervisor (which stops its replicas); kill what is left."""
         pid = self._supervisor_pid(d)
-        if pid is None or not _is_supervisor(pid):
-            pid = None
-        if pid is not None and _alive(pid):
+        if pid is not None and _supervisor_running(pid):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -359,7 +364,7 @@ class LocalBackend(Backend):
                     return obj
             else:
                 pid = self._supervisor_pid(d)
-                if pid is not None and not _alive(pid) and phase_of(obj) != Phase.suspended.value:
+                if pid is not None and not _supervisor_running(pid) and phase_of(obj) != Phase.suspended.value:
                     final = self._read(kind, ns, name)  # it may have written just before exiting
                     if wait_done(final, phases):
                         return final
@@ -432,7 +437,7 @@ class LocalBackend(Backend):
             if phase == Phase.suspended.value or phase in TERMINAL_PHASES:
                 return
             pid = self._supervisor_pid(d)
-            if pid is None or not _alive(pid) or not _is_supervisor(pid):
+            if not _supervisor_running(pid):
                 break
             time.sleep(POLL_S)
         self._stop(d)
@@ -458,7 +463,7 @@ class LocalBackend(Backend):
         """Start a new supervisor for a suspended job (after the old one has exited)."""
         pid = self._supervisor_pid(d)
         end = time.monotonic() + STOP_GRACE_S
-        while pid is not None and _alive(pid) and _is_supervisor(pid) and time.monotonic() < end:
+        while _supervisor_running(pid) and time.monotonic() < end:
             time.sleep(0.05)
         self._stop(d)
         job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
@@ -522,13 +527,8 @@ class LocalBackend(Backend):
     ) -> Iterator[str]:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         pod = pod_name(kind, name, replica, index)
-        self._read(kind, ns, name)
+        check_replica_exists(self._read(kind, ns, name), replica, index)
         d = self._dir(kind, ns, name)
-        job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
-        specs = (job.get("spec") or {}).get("pytorchReplicaSpecs") or {}
-        rtype = replica.capitalize()
-        if index >= int((specs.get(rtype) or {}).get("replicas") or 0):
-            raise NotFoundError(f"{describe(kind, ns, name)} has no pod {pod}", kind=kind, namespace=ns, name=name)
         log = d / store.LOGS_DIR / f"{pod}.log"
         deadline = None if timeout is None else time.monotonic() + timeout
         while not log.exists():
