@@ -212,11 +212,22 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
     jsonschema.validate(job, _pytorchjob_schema())
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"priorityClass": "high"}
+    # A PriorityClass is not a Kueue WorkloadPriorityClass: that label would leave the job suspended.
+    assert "kueue.x-k8s.io/priority-class" not in job["metadata"]["labels"]
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["template"]["spec"]["priorityClassName"] == "high"  # where Kueue reads the priority
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert pod["priorityClassName"] == "high"
     assert pod["containers"][0]["image"] == "registry/trainer:1"
-    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "mlflow-creds"}}]
+    # The platform's default Secret may be missing in a namespace: optional, so the pods still start.
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "mlflow-creds", "optional": True}}]
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+    # A Secret the spec names stays required, default or not.
+    named = render.render_pytorchjob(_gemt(mlflow={"credentialsSecret": "team-creds"}), defaults=defaults)
+    container = named["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "team-creds"}}]
+    off = render.render_pytorchjob(_gemt(mlflow={"enabled": False}), defaults=defaults)
+    assert "envFrom" not in off["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
 
     plain = render.render_pytorchjob(_gemt(image="mine:2"), defaults=defaults)
     assert plain["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default-q"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -152,6 +153,46 @@ def test_no_secret_is_rendered_or_read() -> None:
         text = json.dumps(docs)
         assert "secretKeyRef" not in text and "secretRef" not in text
         assert all(r != "secrets" for _, r, _ in set().union(*granted(docs).values()))
+
+
+def _trainer_container(docs: list[dict[str, Any]], spec: dict[str, Any], monkeypatch) -> dict[str, Any]:
+    """The trainer container the operator, configured by this render's env, gives a GEMTraining."""
+    from gem.api import render as gem_render
+    from gem.api.types import GEMTraining
+    from gem_operator.settings import OperatorConfig
+
+    for name, value in env_of(operator_container(docs)).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    obj = GEMTraining.model_validate({"metadata": {"name": "t", "namespace": "team-a", "uid": "u"}, "spec": spec})
+    job = gem_render.render_pytorchjob(obj, defaults=OperatorConfig.from_env().platform_defaults())
+    return job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+
+
+def test_the_chart_mlflow_secret_reaches_jobs_that_name_none_as_optional(monkeypatch) -> None:
+    docs = render({"mlflow": {"credentialsSecret": "mlflow-creds"}})
+    # a namespace that has not created it must still start its pods (no CreateContainerConfigError)
+    assert _trainer_container(docs, {}, monkeypatch)["envFrom"] == [{"secretRef": {"name": "mlflow-creds", "optional": True}}]
+    named = _trainer_container(docs, {"mlflow": {"credentialsSecret": "team-creds"}}, monkeypatch)
+    assert named["envFrom"] == [{"secretRef": {"name": "team-creds"}}]
+    # NOTES say so, instead of asking users to repeat the name in every spec
+    text = notes({"mlflow": {"credentialsSecret": "mlflow-creds"}})
+    assert "mlflow-creds" in text and "automatically" in text and "optional" in text
+    assert "set spec.mlflow.credentialsSecret" not in text
+
+
+def test_the_trainer_image_reaches_jobs_through_the_operator_not_the_crd(monkeypatch) -> None:
+    from gem.api.crds import render_crd
+
+    docs = render({"trainer": {"image": {"repository": "registry.example/trainer", "tag": "9"}}})
+    assert _trainer_container(docs, {}, monkeypatch)["image"] == "registry.example/trainer:9"
+    assert _trainer_container(docs, {"image": "mine:1"}, monkeypatch)["image"] == "mine:1"
+    spec = render_crd("GEMTraining")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert "default" not in spec["properties"]["image"]
+    # so values.yaml must not tell readers the CRD defaults it
+    values_text = (CHART_DIR / "values.yaml").read_text()
+    assert not re.search(r"CRD[^\n]*defaults spec\.image", values_text)
+    assert "GEM_TRAINER_IMAGE" in values_text
 
 
 # --------------------------------------------------------------------------- CRDs

@@ -348,7 +348,7 @@ def test_deleting_a_resource_garbage_collects_its_children(cluster, operator, ap
 
 
 def test_a_deleted_teacher_fails_the_waiting_distillation(cluster, operator, api):
-    create(api, gemtraining("short-lived"))
+    create(api, gemtraining("short-lived", checkpoint={"claimName": "shared-ckpt"}))
     create(api, distill("left-behind", {"gemTraining": "short-lived"}))
     wait_for(
         lambda: (s := status_of(cluster, "LoopFMDistill", "left-behind"))

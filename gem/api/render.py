@@ -181,6 +181,22 @@ def _torchrun_args(kind: str) -> list[str]:
     ]
 
 
+def _mlflow_credentials(obj: GEMTraining | LoopFMDistill, defaults: PlatformDefaults) -> dict[str, Any] | None:
+    """The secretRef of the MLflow credentials Secret, if any.
+
+    A Secret the spec names is required: a typo shows at once (CreateContainerConfigError). The
+    platform default is optional, so a namespace that has not created it still runs its jobs.
+    """
+    mlflow = obj.spec.mlflow
+    if not mlflow.enabled:
+        return None
+    if mlflow.credentials_secret:
+        return {"name": mlflow.credentials_secret}
+    if defaults.mlflow_credentials_secret:
+        return {"name": defaults.mlflow_credentials_secret, "optional": True}
+    return None
+
+
 def _pod_template(
     obj: GEMTraining | LoopFMDistill,
     *,
@@ -242,9 +258,9 @@ def _pod_template(
         # the GPU runtime write below $HOME and /tmp inside the image.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    credentials = spec.mlflow.credentials_secret or defaults.mlflow_credentials_secret
-    if spec.mlflow.enabled and credentials:
-        container["envFrom"] = [{"secretRef": {"name": credentials}}]
+    credentials = _mlflow_credentials(obj, defaults)
+    if credentials:
+        container["envFrom"] = [{"secretRef": credentials}]
 
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -310,9 +326,11 @@ def render_pytorchjob(
     if queue:
         job["metadata"]["labels"][defaults.queue_label] = queue
     if spec.scheduling.priority_class_name:
-        # The training operator's gang scheduling and Kueue's workload priority both read it.
+        # The training operator's gang scheduling reads it, Kueue the workload priority (as it does
+        # the pods' priorityClassName). Never the label kueue.x-k8s.io/priority-class: that names a
+        # WorkloadPriorityClass, another kind of object, and Kueue creates no Workload (the job
+        # stays suspended) while none of that name exists.
         run_policy["schedulingPolicy"] = {"priorityClass": spec.scheduling.priority_class_name}
-        job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = spec.scheduling.priority_class_name
     if obj.metadata.namespace:
         job["metadata"]["namespace"] = obj.metadata.namespace
     if obj.metadata.uid:

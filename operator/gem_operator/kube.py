@@ -34,6 +34,8 @@ RBAC_RULES: list[dict[str, Any]] = [
     # node labels size the topology levels and say where each rank landed (gem_operator/parallel.py)
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # a Kueue-queued job is suspended and resumed through its Workload's spec.active (reconcile._pass_on_suspend)
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list", "patch"]},
     # kopf: discovery of the resources it serves, and namespaces when running cluster-wide.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
@@ -48,6 +50,10 @@ class Conflict(Exception):
 
 class Rejected(Exception):
     """The API server refused an object we rendered (400/422): retrying cannot help."""
+
+
+class NotServed(Exception):
+    """The resource cannot be used: its CRD (say Kueue's) is not installed, or RBAC does not allow it."""
 
 
 #: HTTP statuses worth retrying: conflicts, throttling and server-side trouble.
@@ -125,18 +131,49 @@ def patch_status(
 
 
 def ensure_config_map(cm: dict[str, Any]) -> None:
-    """Create the ConfigMap, or bring an existing one of ours up to date (idempotent)."""
+    """Create the ConfigMap, or bring an existing one of ours up to date (idempotent).
+
+    "Ours" is owned by the uid the ConfigMap was rendered for (its controller ownerReference).
+    One of the same name owned by another object, say a deleted resource's that the garbage
+    collector has not removed yet, is a Conflict, as in ensure_pytorchjob: adopting it would
+    leave the new job's pods waiting for a ConfigMap the collector is about to delete.
+    """
     ns, name = cm["metadata"]["namespace"], cm["metadata"]["name"]
     try:
         core().create_namespaced_config_map(ns, cm, _request_timeout=_timeout())
+        return
     except ApiException as e:
         if e.status in (400, 422):
             raise Rejected(f"ConfigMap {ns}/{name}: {_reason(e)}") from None
         if e.status != 409 or _reason_code(e) != "AlreadyExists":
             raise
-        core().patch_namespaced_config_map(
-            name, ns, {"data": cm["data"], "metadata": {"labels": cm["metadata"]["labels"]}}, _request_timeout=_timeout()
+    existing = _get_config_map(ns, name)
+    if existing is None:
+        raise Conflict(f"ConfigMap {ns}/{name} vanished right after a create conflict; retrying")
+    owner_uid = _controller_uid(cm)
+    if owner_uid not in {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or []}:
+        raise Conflict(
+            f"ConfigMap {ns}/{name} exists but is not owned by this resource (uid {owner_uid}); "
+            "it is probably the ConfigMap of a deleted resource of the same name and will be garbage-collected"
         )
+    core().patch_namespaced_config_map(
+        name, ns, {"data": cm["data"], "metadata": {"labels": cm["metadata"]["labels"]}}, _request_timeout=_timeout()
+    )
+
+
+def _get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        resp = core().read_namespaced_config_map(name, namespace, _preload_content=False, _request_timeout=_timeout())
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return json.loads(resp.data)
+
+
+def _controller_uid(obj: dict[str, Any]) -> str | None:
+    refs = obj["metadata"].get("ownerReferences") or []
+    return next((ref.get("uid") for ref in refs if ref.get("controller")), None)
 
 
 def get_pytorchjob(namespace: str, name: str) -> dict[str, Any] | None:
@@ -184,6 +221,37 @@ def ensure_pytorchjob(job: dict[str, Any], owner_uid: str) -> tuple[dict[str, An
 def patch_pytorchjob(namespace: str, name: str, patch: dict[str, Any]) -> None:
     custom().patch_namespaced_custom_object(
         "kubeflow.org", "v1", namespace, "pytorchjobs", name, patch, _request_timeout=_timeout()
+    )
+
+
+KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta1", "workloads")
+#: Kueue labels the Workload it creates for a job with the job's uid.
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+
+
+def job_workload(namespace: str, job_uid: str) -> dict[str, Any] | None:
+    """The Kueue Workload of a job, or None while Kueue has not created it.
+
+    NotServed without Kueue (404) or without the RBAC rule for Workloads (403, an older install).
+    """
+    try:
+        found = custom().list_namespaced_custom_object(
+            *KUEUE_WORKLOADS[:2], namespace, KUEUE_WORKLOADS[2], label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}",
+            _request_timeout=_timeout(),
+        )
+    except ApiException as e:
+        if e.status == 404:
+            raise NotServed("workloads.kueue.x-k8s.io is not served (Kueue is not installed)") from None
+        if e.status == 403:
+            raise NotServed(f"listing workloads.kueue.x-k8s.io in {namespace} is forbidden (RBAC_RULES not applied)") from None
+        raise
+    items = found.get("items") or []
+    return items[0] if items else None
+
+
+def patch_workload(namespace: str, name: str, patch: dict[str, Any]) -> None:
+    custom().patch_namespaced_custom_object(
+        *KUEUE_WORKLOADS[:2], namespace, KUEUE_WORKLOADS[2], name, patch, _request_timeout=_timeout()
     )
 
 

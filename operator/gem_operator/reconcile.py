@@ -13,16 +13,22 @@ import re
 from typing import Any
 
 import kopf
+import pydantic
 
 from gem.api import render, status as st
-from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, Phase
+from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, CheckpointSpec, Phase
 from gem_operator import kube, metrics, parallel
 from gem_operator.settings import CONFIG
 from gem_operator.validation import InvalidSpec, parse_resource
 
+#: What the spec the job was rendered from means: see spec_digest.
+ANNOTATION_SPEC_DIGEST = "gem.dev/spec-digest"
+#: The hash of the raw stored spec, the only record on jobs of operators before spec-digest; still
+#: written so that an operator rolled back to one of those keeps comparing.
 ANNOTATION_SPEC_HASH = "gem.dev/spec-hash"
-#: The spec.suspend the operator last applied to the job. Only a change of spec.suspend is passed
-#: on, so a queue controller (Kueue) that suspends jobs until admission is never overridden.
+#: The spec.suspend the operator last applied to the job (or, for a Kueue-queued job, to its
+#: Workload). Only a change of spec.suspend is passed on, so the suspension a queue controller
+#: (Kueue) holds a job in until admission is never undone.
 ANNOTATION_REQUESTED_SUSPEND = "gem.dev/requested-suspend"
 #: Spec fields that may change while the job runs; every other change is rejected.
 MUTABLE_FIELDS = frozenset({"suspend"})
@@ -30,9 +36,25 @@ MUTABLE_FIELDS = frozenset({"suspend"})
 _KIND_BY_LABEL = {kind.lower(): kind for kind in KINDS}
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def spec_hash(spec: dict[str, Any]) -> str:
-    frozen = {k: v for k, v in spec.items() if k not in MUTABLE_FIELDS}
-    return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]
+    """The legacy hash of the raw spec (ANNOTATION_SPEC_HASH): it changes when the API server fills
+    in a default a newer CRD added, so it is only compared for jobs that carry nothing better."""
+    return _digest({k: v for k, v in spec.items() if k not in MUTABLE_FIELDS})
+
+
+def spec_digest(spec: pydantic.BaseModel) -> str:
+    """What a parsed spec asks for, mutable fields aside, as a short hash (ANNOTATION_SPEC_DIGEST).
+
+    Values equal to the typed API's defaults are left out: the CRD's defaults come from the same
+    models, so a field a newer CRD adds (and the API server fills into stored objects on read)
+    changes nothing here, while any value a user sets does.
+    """
+    meaning = spec.model_dump(by_alias=True, exclude_defaults=True, exclude=set(MUTABLE_FIELDS), mode="json")
+    return _digest(meaning)
 
 
 def _event(body: dict[str, Any], type_: str, reason: str, message: str, key: str) -> None:
@@ -93,13 +115,48 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
         raise TeacherNotReady(
             "TeacherFailed", f"teacher GEMTraining {ns}/{ref} is {phase}: {pstatus.get('message', '')}", permanent=True
         )
-    if phase != Phase.succeeded.value or not pstatus.get("latestCheckpoint"):
+    pspec = (parent.get("spec") or {}).get("checkpoint") or {}
+    if not pspec.get("claimName"):
+        raise _checkpoint_not_shared(ns, ref)
+    if phase != Phase.succeeded.value:
         raise TeacherNotReady(
             "TeacherNotSucceeded",
             f"waiting for teacher GEMTraining {ns}/{ref} to succeed (now {phase or 'Pending'})",
         )
-    pspec = (parent.get("spec") or {}).get("checkpoint") or {}
-    return _teacher_mount(obj, pstatus["latestCheckpoint"], pspec.get("claimName"), pspec.get("path"))
+    if not pstatus.get("latestCheckpoint"):
+        raise _no_checkpoint(ns, ref, pspec["claimName"], pspec.get("path") or CheckpointSpec().path)
+    return _teacher_mount(obj, pstatus["latestCheckpoint"], pspec["claimName"], pspec.get("path"))
+
+
+#: How else a LoopFMDistill can name its teacher (gem.api.types.TeacherSpec).
+_NAME_IT_OTHERWISE = (
+    "set spec.teacher.mlflowModelUri to the teacher's MLflow model (e.g. models:/<name>/<version>) "
+    "or spec.teacher.checkpoint to a checkpoint directory this job can read"
+)
+
+
+def _checkpoint_not_shared(ns: str, ref: str) -> TeacherNotReady:
+    """A teacher without a checkpoint claim keeps its checkpoints in an emptyDir: gone with its pods."""
+    return TeacherNotReady(
+        "TeacherCheckpointNotShared",
+        f"teacher GEMTraining {ns}/{ref} has no spec.checkpoint.claimName: its checkpoints live in its pods' "
+        f"emptyDir and are gone with them, no other job can read them. Give the teacher a checkpoint claim "
+        f"(a ReadWriteMany PersistentVolumeClaim) and train it again, or {_NAME_IT_OTHERWISE}",
+        permanent=True,
+    )
+
+
+def _no_checkpoint(ns: str, ref: str, claim: str, path: str) -> TeacherNotReady:
+    """status.latestCheckpoint comes only from the master pod's termination report: a teacher whose
+    pods were gone before the operator read it (cleanPodPolicy, pod GC, operator down) never gets one."""
+    return TeacherNotReady(
+        "TeacherHasNoCheckpoint",
+        f"teacher GEMTraining {ns}/{ref} succeeded but reported no checkpoint (status.latestCheckpoint is empty: "
+        f"its pods were gone before the operator read the trainer's report); {_NAME_IT_OTHERWISE}, e.g. "
+        f"{path.rstrip('/')}/{ns}/{ref} (its latest complete checkpoint), readable when the student's spec.checkpoint "
+        f"mounts claim {claim} at {path}",
+        permanent=True,
+    )
 
 
 #: Where a teacher's checkpoint claim is mounted when its own path would collide with the
@@ -147,7 +204,7 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     existing = kube.get_pytorchjob(ns, job_name)
     if existing is not None and meta.get("uid") in {r.get("uid") for r in existing["metadata"].get("ownerReferences", [])}:
         # A job runs: an invalid edit is a rejected change like any other, the job is left alone.
-        return _reconcile_running(body, existing, status, logger, problem)
+        return _reconcile_running(body, existing, status, logger, obj, problem)
     if obj is None:
         return mark_invalid(kind, body, str(problem), logger)
     if status.get("pytorchJob") and status.get("phase") not in (None, Phase.pending.value, Phase.waiting_for_teacher.value):
@@ -182,9 +239,14 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     job = render.render_pytorchjob(
         obj, mlflow_tracking_uri=CONFIG.mlflow_tracking_uri, teacher=teacher, defaults=defaults, placement=placement
     )
-    job["metadata"].setdefault("annotations", {}).update(
-        {ANNOTATION_SPEC_HASH: spec_hash(body["spec"]), ANNOTATION_REQUESTED_SUSPEND: str(bool(obj.spec.suspend)).lower()}
-    )
+    # A queued job's suspension goes to its Workload, which Kueue has not created yet: recorded as
+    # not applied, so that the first reconcile that finds the Workload deactivates it.
+    suspend_applied = obj.spec.suspend and not _queued(job)
+    job["metadata"].setdefault("annotations", {}).update({
+        ANNOTATION_SPEC_DIGEST: spec_digest(obj.spec),
+        ANNOTATION_SPEC_HASH: spec_hash(body["spec"]),
+        ANNOTATION_REQUESTED_SUSPEND: str(suspend_applied).lower(),
+    })
     try:
         kube.ensure_config_map(cm)
         child, created = kube.ensure_pytorchjob(job, meta["uid"])
@@ -201,7 +263,10 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     plan_status = parallel.plan_status(parallel.job_topology_info(child) or {})
     if plan_status:
         status["parallelPlan"] = plan_status
-    if status.get("phase") in (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value):
+    # Failed here is a teacher that could not be used (a failure with a job never gets this far):
+    # the edited spec.teacher now runs.
+    if status.get("phase") in (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value,
+                               Phase.failed.value):
         status = _set_phase(status, Phase.created.value, f"PyTorchJob {job_name} created")
     return status
 
@@ -218,25 +283,44 @@ def _job_vanished(body: dict[str, Any], status: dict[str, Any], job_name: str) -
     return _set_phase(status, Phase.failed.value, msg)
 
 
+def _spec_matches_job(body: dict[str, Any], job: dict[str, Any], obj: Any) -> bool:
+    """Whether the spec, mutable fields aside, is still the one the job was rendered from."""
+    annotations = job["metadata"].get("annotations") or {}
+    digest = spec_digest(obj.spec)
+    if ANNOTATION_SPEC_DIGEST in annotations:
+        return annotations[ANNOTATION_SPEC_DIGEST] == digest
+    legacy = annotations.get(ANNOTATION_SPEC_HASH)
+    if legacy is None:
+        return True  # nothing recorded to compare with
+    if legacy != spec_hash(body["spec"]):
+        return False
+    # A job of an operator before the digest, its spec unchanged: record the digest now, so that
+    # a CRD that later adds a defaulted field does not turn into a rejected change.
+    meta = job["metadata"]
+    kube.patch_pytorchjob(meta["namespace"], meta["name"], {"metadata": {"annotations": {ANNOTATION_SPEC_DIGEST: digest}}})
+    return True
+
+
 def _reconcile_running(
-    body: dict[str, Any], job: dict[str, Any], status: dict[str, Any], logger: logging.Logger, problem: str | None = None
+    body: dict[str, Any], job: dict[str, Any], status: dict[str, Any], logger: logging.Logger,
+    obj: Any, problem: str | None = None,
 ) -> dict[str, Any]:
     """The job exists: accept in-flight changes (suspend), reject the rest with a condition.
 
-    `problem` says why the current spec does not even parse; the job keeps the spec it has.
+    `obj` is the parsed resource; `problem` says why the current spec does not even parse (then
+    `obj` is None); the job keeps the spec it has.
     """
     meta = body["metadata"]
     spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
     if not status.get("pytorchJob"):
         # Created by an operator that died before it could record it.
         _event(body, "Normal", "JobCreated", f"created PyTorchJob {job['metadata']['name']}", key=job["metadata"]["uid"])
-    applied = job["metadata"].get("annotations", {}).get(ANNOTATION_SPEC_HASH)
     conds = status.get("conditions", [])
     if problem is None:
         conds = st.set_condition(conds, "Valid", "True", "SpecValid", "spec is valid")
     if body.get("kind") == "LoopFMDistill":  # a job exists only once its teacher was resolved
         conds = st.set_condition(conds, "TeacherReady", "True", "TeacherSucceeded", "teacher checkpoint resolved")
-    if problem is not None or (applied and applied != spec_hash(spec)):
+    if problem is not None or not _spec_matches_job(body, job, obj):
         msg = (
             "only spec.suspend may change while a job exists; other changes are ignored. "
             "Revert them, or create a new resource to train with the new spec"
@@ -252,20 +336,53 @@ def _reconcile_running(
     want = "true" if spec.get("suspend") is True else "false"
     requested = job["metadata"].get("annotations", {}).get(ANNOTATION_REQUESTED_SUSPEND)
     if requested != want and not (job.get("status") or {}).get("completionTime"):
-        kube.patch_pytorchjob(
-            meta["namespace"],
-            job["metadata"]["name"],
-            {
-                "metadata": {"annotations": {ANNOTATION_REQUESTED_SUSPEND: want}},
-                "spec": {"runPolicy": {"suspend": want == "true"}},
-            },
-        )
-        _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set runPolicy.suspend={want} on the PyTorchJob",
-               key=f"{meta.get('generation')}/{want}")
-        logger.info("set suspend=%s on %s", want, job["metadata"]["name"])
+        applied = _pass_on_suspend(job, want == "true", logger)
+        if applied:
+            _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set {applied}",
+                   key=f"{meta.get('generation')}/{want}")
+            logger.info("set %s", applied)
+        else:
+            logger.info("suspend=%s waits for Kueue to create the Workload of %s", want, job["metadata"]["name"])
     status = {**status, "conditions": conds, "pytorchJob": job["metadata"]["name"], "observedGeneration": meta.get("generation")}
     status = {**status, **mirror_job(status, job, body, logger)}
     return _observe_parallelism(body, job, status, logger)
+
+
+def _queued(job: dict[str, Any]) -> bool:
+    """Whether the job carries a Kueue queue label (Kueue then decides when it runs)."""
+    return CONFIG.kueue_queue_label in (job["metadata"].get("labels") or {})
+
+
+def _pass_on_suspend(job: dict[str, Any], suspend: bool, logger: logging.Logger) -> str | None:
+    """Apply spec.suspend to the job; what was set, or None when it cannot be yet.
+
+    A queued job is suspended through its Kueue Workload (spec.active=false, the way Kueue
+    supports): Kueue resumes an admitted job whose runPolicy.suspend anyone else sets.
+    """
+    if _queued(job):
+        try:
+            return _set_workload_active(job, not suspend)
+        except kube.NotServed as e:
+            # Without Kueue the queue label means nothing and runPolicy.suspend is what suspends.
+            logger.warning("%s: setting runPolicy.suspend on %s instead", e, job["metadata"]["name"])
+    meta = job["metadata"]
+    kube.patch_pytorchjob(meta["namespace"], meta["name"], {**_suspend_record(suspend), "spec": {"runPolicy": {"suspend": suspend}}})
+    return f"runPolicy.suspend={str(suspend).lower()} on the PyTorchJob"
+
+
+def _set_workload_active(job: dict[str, Any], active: bool) -> str | None:
+    meta = job["metadata"]
+    workload = kube.job_workload(meta["namespace"], meta["uid"])
+    if workload is None:
+        return None  # Kueue has not created it yet: the next reconcile tries again
+    name = workload["metadata"]["name"]
+    kube.patch_workload(meta["namespace"], name, {"spec": {"active": active}})
+    kube.patch_pytorchjob(meta["namespace"], meta["name"], _suspend_record(not active))
+    return f"spec.active={str(active).lower()} on Kueue Workload {name}"
+
+
+def _suspend_record(suspend: bool) -> dict[str, Any]:
+    return {"metadata": {"annotations": {ANNOTATION_REQUESTED_SUSPEND: str(suspend).lower()}}}
 
 
 def _observe_parallelism(body: dict[str, Any], job: dict[str, Any], status: dict[str, Any],
@@ -350,14 +467,13 @@ def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
     if parent is None or parent["metadata"].get("uid") not in {r.get("uid") for r in job["metadata"].get("ownerReferences", [])}:
         return
     try:
-        parse_resource(kind, parent)
-        problem = None
+        obj, problem = parse_resource(kind, parent), None
     except InvalidSpec as e:
-        problem = str(e)
+        obj, problem = None, str(e)
     # The same status a reconcile computes (not just the mirrored part): every writer writes all
     # of it, so whichever write lands last, nothing another one added is missing.
     status = dict(parent.get("status") or {})
-    new = _reconcile_running(parent, job, status, logger, problem)
+    new = _reconcile_running(parent, job, status, logger, obj, problem)
     if new != status:
         kube.patch_status(kind, ns, name, new, parent["metadata"].get("resourceVersion"))
 

@@ -91,11 +91,24 @@ def _label_value(value: str) -> str | None:
 
 
 def _label_key(key: str) -> str | None:
-    prefix, _, name = key.rpartition("/")
-    if (prefix and _subdomain(prefix)) or len(name) > 63 or not _LABEL_NAME.match(name):
+    prefix, slash, name = key.rpartition("/")
+    if (slash and _subdomain(prefix)) or len(name) > 63 or not _LABEL_NAME.match(name):
         return (
             f"{key!r} is not a valid label key: an optional DNS prefix and '/', then at most 63 "
             "letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _procs_fit_gpus(spec: Any) -> str | None:
+    """Each trainer process of a GPU pod takes the GPU of its local rank: more processes than GPUs
+    fail at start (cuda.set_device). CPU-only pods (gpusPerNode 0) run any number."""
+    gpus, procs = spec.resources.gpus_per_node, spec.parallelism.procs_per_node
+    if gpus and procs > gpus:
+        return (
+            f"{procs} processes per pod but spec.resources.gpusPerNode is {gpus}: each process needs a GPU of "
+            f"its own (local ranks {gpus}-{procs - 1} would have none); set procsPerNode to at most {gpus} "
+            "or request as many GPUs as processes"
         )
     return None
 
@@ -115,6 +128,7 @@ def runnable_problems(obj: Any) -> list[str]:
     if spec.scheduling.priority_class_name:
         name = spec.scheduling.priority_class_name
         checks.append(("spec.scheduling.priorityClassName", _subdomain(name) or _label_value(name)))
+    checks.append(("spec.parallelism.procsPerNode", _procs_fit_gpus(spec)))
     for i, level in enumerate(spec.parallelism.topology.levels):
         # node-label keys: they become pod-affinity topology keys and Kueue annotations
         checks.append((f"spec.parallelism.topology.levels[{i}]", _label_key(level)))

@@ -1,0 +1,307 @@
+"""The operator's reconcile, in-process, one pass at a time, against the API test server.
+
+`gem_operator.kube` talks to the test server, so every call the operator makes is real HTTP; no
+operator process and no kopf: each test builds the situation, runs `reconcile.reconcile` and looks
+at the status it returns and at what it did to the cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import kopf
+import pytest
+
+from gem.api import render
+from gem.api.crds import render_crd
+from gem_operator import kube, reconcile
+from tests.kubeapi import KubeAPIServer
+from tests.kubeapi.schema import apply_defaults
+
+API = "gem.dev/v1alpha1"
+JOBS = "kubeflow.org/v1"
+LOG = logging.getLogger("test_operator_reconcile")
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    with KubeAPIServer(executor=False, workdir=tmp_path / "kubeapi") as server:
+        api_client = server.api_client()
+        monkeypatch.setattr(kube, "_api_client", lambda: api_client)
+        yield server
+
+
+def stored(cluster, kind: str, name: str, **spec) -> dict:
+    """The resource as the API server stores it (defaults filled in, uid and generation set)."""
+    return cluster.create(API, kind, {"apiVersion": API, "kind": kind, "metadata": {"name": name}, "spec": spec})
+
+
+def condition(status: dict, type_: str) -> dict:
+    return next(c for c in status.get("conditions", []) if c["type"] == type_)
+
+
+def warnings(cluster, name: str) -> list[str]:
+    return [e["reason"] for e in cluster.events(involved_name=name) if e["type"] == "Warning"]
+
+
+# --------------------------------------------------------------------------- procsPerNode vs GPUs
+
+
+def test_more_processes_than_gpus_per_pod_is_invalid_and_names_procs_per_node(cluster):
+    body = stored(cluster, "GEMTraining", "oversubscribed",
+                  parallelism={"numNodes": 1, "procsPerNode": 8}, resources={"gpusPerNode": 4})
+    status = reconcile.reconcile("GEMTraining", body, LOG)
+    assert status["phase"] == "Invalid"
+    message = condition(status, "Valid")["message"]
+    assert message.startswith("spec.parallelism.procsPerNode: 8 processes per pod") and "at most 4" in message
+    assert cluster.get(JOBS, "PyTorchJob", "oversubscribed-train") is None
+
+
+@pytest.mark.parametrize("gpus", [0, 8])
+def test_cpu_only_pods_and_one_process_per_gpu_still_run(cluster, gpus):
+    # gpusPerNode 0: CPU processes share the pod's cores, any number of them
+    body = stored(cluster, "GEMTraining", f"fits-{gpus}",
+                  parallelism={"numNodes": 1, "procsPerNode": 8}, resources={"gpusPerNode": gpus})
+    status = reconcile.reconcile("GEMTraining", body, LOG)
+    assert status["phase"] == "Created", status.get("message")
+
+
+def test_a_node_selector_key_with_an_empty_prefix_is_invalid(cluster):
+    # "/pool" is no label key (the API server refuses the job's pods); found by tests/test_reliability_fuzz.py
+    body = stored(cluster, "GEMTraining", "slash", parallelism={"numNodes": 1}, resources={"nodeSelector": {"/pool": "gpu"}})
+    status = reconcile.reconcile("GEMTraining", body, LOG)
+    assert status["phase"] == "Invalid"
+    assert condition(status, "Valid")["message"].startswith("spec.resources.nodeSelector['/pool']: '/pool' is not a valid label key")
+
+
+# --------------------------------------------------------------------------- the teacher's checkpoint
+
+
+def teacher(cluster, name: str, status: dict, **checkpoint) -> dict:
+    stored(cluster, "GEMTraining", name, checkpoint=checkpoint)
+    return cluster.patch_status(API, "GEMTraining", name, status)
+
+
+def test_a_teacher_that_succeeded_without_a_checkpoint_fails_the_distillation(cluster):
+    # its pods were gone (cleanPodPolicy All, pod GC) before the operator read the trainer's report
+    teacher(cluster, "no-report", {"phase": "Succeeded"}, claimName="shared", path="/ckpt")
+    student = stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "no-report"})
+    status = reconcile.reconcile("LoopFMDistill", student, LOG)  # not a TemporaryError: waiting is pointless
+    assert status["phase"] == "Failed"
+    ready = condition(status, "TeacherReady")
+    assert (ready["status"], ready["reason"]) == ("False", "TeacherHasNoCheckpoint")
+    for fix in ("spec.teacher.mlflowModelUri", "spec.teacher.checkpoint", "/ckpt/default/no-report", "claim shared"):
+        assert fix in ready["message"], fix
+    assert warnings(cluster, "student") == ["TeacherHasNoCheckpoint"]
+    assert cluster.get(JOBS, "PyTorchJob", "student-distill") is None
+
+    # Following the message: the teacher named by its job directory on the shared claim.
+    fixed = {**student, "status": status, "spec": {**student["spec"], "teacher": {"checkpoint": "/ckpt/default/no-report"},
+                                                   "checkpoint": {**student["spec"]["checkpoint"], "claimName": "shared",
+                                                                  "path": "/ckpt"}}}
+    status = reconcile.reconcile("LoopFMDistill", fixed, LOG)
+    assert status["phase"] == "Created" and condition(status, "TeacherReady")["status"] == "True"
+    assert cluster.get(JOBS, "PyTorchJob", "student-distill") is not None
+
+
+@pytest.mark.parametrize("teacher_status", [
+    {"phase": "Succeeded", "latestCheckpoint": "/var/lib/gem/checkpoints/default/local/step-00000200"},
+    {"phase": "Running"},  # its checkpoints will not outlive its pods either: no point waiting
+])
+def test_a_teacher_without_a_checkpoint_claim_fails_the_distillation(cluster, teacher_status):
+    teacher(cluster, "local", teacher_status)  # emptyDir checkpoints: gone with its pods
+    student = stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "local"})
+    status = reconcile.reconcile("LoopFMDistill", student, LOG)
+    assert status["phase"] == "Failed"
+    ready = condition(status, "TeacherReady")
+    assert ready["reason"] == "TeacherCheckpointNotShared"
+    assert "spec.checkpoint.claimName" in ready["message"] and "spec.teacher.mlflowModelUri" in ready["message"]
+    assert cluster.get(JOBS, "PyTorchJob", "student-distill") is None
+
+
+def test_a_running_teacher_with_a_claim_is_still_waited_for(cluster):
+    teacher(cluster, "busy", {"phase": "Running"}, claimName="shared")
+    student = stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "busy"})
+    with pytest.raises(kopf.TemporaryError):
+        reconcile.reconcile("LoopFMDistill", student, LOG)
+    status = cluster.get(API, "LoopFMDistill", "student")["status"]
+    assert (status["phase"], condition(status, "TeacherReady")["reason"]) == ("WaitingForTeacher", "TeacherNotSucceeded")
+
+
+# --------------------------------------------------------------------------- a ConfigMap of someone else
+
+
+def test_a_config_map_left_by_a_deleted_resource_of_the_same_name_is_not_adopted(cluster):
+    # The resource was deleted and recreated; the garbage collector has not removed its ConfigMap yet.
+    stale = {"metadata": {"name": "again-train-config", "ownerReferences": [
+        {"apiVersion": API, "kind": "GEMTraining", "name": "again", "uid": "uid-of-the-deleted-one", "controller": True}]},
+        "data": {"config.yaml": "old"}}
+    cluster.create("v1", "ConfigMap", stale)
+    body = stored(cluster, "GEMTraining", "again", parallelism={"numNodes": 1})
+    with pytest.raises(kopf.TemporaryError, match="not owned by this resource"):
+        reconcile.reconcile("GEMTraining", body, LOG)
+    assert cluster.get("v1", "ConfigMap", "again-train-config")["data"] == {"config.yaml": "old"}  # left alone
+    assert cluster.get(JOBS, "PyTorchJob", "again-train") is None  # no job whose pods would lose their config
+
+    cluster.delete("v1", "ConfigMap", "again-train-config")  # what the garbage collector does
+    assert reconcile.reconcile("GEMTraining", body, LOG)["phase"] == "Created"
+    owners = cluster.get("v1", "ConfigMap", "again-train-config")["metadata"]["ownerReferences"]
+    assert [o["uid"] for o in owners] == [body["metadata"]["uid"]]
+
+
+def test_a_config_map_of_our_own_is_brought_up_to_date(cluster):
+    body = stored(cluster, "GEMTraining", "mine", parallelism={"numNodes": 1})
+    reconcile.reconcile("GEMTraining", body, LOG)
+    cluster.store.mutate(cluster.resource("v1", "ConfigMap"), "default", "mine-train-config",
+                         lambda o: o.__setitem__("data", {"config.yaml": "tampered"}))
+    cm = render.render_config_map(reconcile.parse_resource("GEMTraining", body))
+    kube.ensure_config_map(cm)  # a retried reconcile: 409 AlreadyExists, ours, patched
+    assert cluster.get("v1", "ConfigMap", "mine-train-config")["data"] == cm["data"]
+
+
+# --------------------------------------------------------------------------- spec changes vs CRD defaults
+
+
+def _read_back_under_newer_crd(body: dict) -> dict:
+    """The object as the API server returns it once a CRD with defaults is applied: every default filled in."""
+    newer = copy.deepcopy(body)
+    schema = render_crd(body["kind"])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    apply_defaults(newer["spec"], schema["properties"]["spec"])
+    return newer
+
+
+def _unstored(name: str, spec: dict) -> dict:
+    """A GEMTraining stored under an older CRD that did not yet have (or default) most fields."""
+    return {"apiVersion": API, "kind": "GEMTraining",
+            "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1}, "spec": spec}
+
+
+def test_defaults_a_newer_crd_fills_in_are_not_a_spec_change_but_an_edit_is(cluster):
+    old = _unstored("drift", {"parallelism": {"numNodes": 1}, "training": {"steps": 50}})
+    reconcile.reconcile("GEMTraining", old, LOG)
+    newer = _read_back_under_newer_crd(old)
+    assert newer["spec"] != old["spec"] and newer["spec"]["training"]["warmupSteps"] == 20
+
+    status = reconcile.reconcile("GEMTraining", newer, LOG)
+    assert condition(status, "Valid")["status"] == "True"
+    assert not any(c["type"] == "SpecChangeAccepted" for c in status["conditions"])
+    assert warnings(cluster, "drift") == []
+
+    edited = copy.deepcopy(newer)
+    edited["spec"]["training"]["steps"] = 60
+    edited["metadata"]["generation"] = 2
+    status = reconcile.reconcile("GEMTraining", edited, LOG)
+    rejected = condition(status, "SpecChangeAccepted")
+    assert (rejected["status"], rejected["reason"]) == ("False", "ImmutableFieldChanged")
+    assert warnings(cluster, "drift") == ["SpecChangeRejected"]
+
+
+def test_jobs_of_an_older_operator_keep_comparing_and_learn_the_new_digest(cluster):
+    old = _unstored("legacy", {"parallelism": {"numNodes": 1}})
+    reconcile.reconcile("GEMTraining", old, LOG)
+
+    def as_an_older_operator_rendered_it(job: dict) -> None:  # it wrote only gem.dev/spec-hash
+        del job["metadata"]["annotations"][reconcile.ANNOTATION_SPEC_DIGEST]
+
+    jobs = cluster.resource(JOBS, "PyTorchJob")
+    cluster.store.mutate(jobs, "default", "legacy-train", as_an_older_operator_rendered_it)
+
+    status = reconcile.reconcile("GEMTraining", old, LOG)  # the operator upgrade alone flags nothing
+    assert not any(c["type"] == "SpecChangeAccepted" for c in status["conditions"])
+    annotations = cluster.get(JOBS, "PyTorchJob", "legacy-train")["metadata"]["annotations"]
+    assert annotations[reconcile.ANNOTATION_SPEC_DIGEST] == reconcile.spec_digest(
+        reconcile.parse_resource("GEMTraining", old).spec)
+    # ... so a CRD applied afterwards is no spec change either
+    status = reconcile.reconcile("GEMTraining", _read_back_under_newer_crd(old), LOG)
+    assert not any(c["type"] == "SpecChangeAccepted" for c in status["conditions"])
+
+    # An edit made while only the old hash was there is still an edit.
+    cluster.store.mutate(jobs, "default", "legacy-train", as_an_older_operator_rendered_it)
+    edited = copy.deepcopy(old)
+    edited["spec"]["training"] = {"steps": 7}
+    status = reconcile.reconcile("GEMTraining", edited, LOG)
+    assert condition(status, "SpecChangeAccepted")["reason"] == "ImmutableFieldChanged"
+    assert reconcile.ANNOTATION_SPEC_DIGEST not in cluster.get(JOBS, "PyTorchJob", "legacy-train")["metadata"]["annotations"]
+
+
+def test_suspend_stays_a_change_the_digest_ignores(cluster):
+    body = stored(cluster, "GEMTraining", "pause", parallelism={"numNodes": 1})
+    reconcile.reconcile("GEMTraining", body, LOG)
+    paused = copy.deepcopy(body)
+    paused["spec"]["suspend"] = True
+    status = reconcile.reconcile("GEMTraining", paused, LOG)
+    assert not any(c["type"] == "SpecChangeAccepted" for c in status["conditions"])
+    assert cluster.get(JOBS, "PyTorchJob", "pause-train")["spec"]["runPolicy"]["suspend"] is True
+
+
+# --------------------------------------------------------------------------- suspending a Kueue-queued job
+
+#: Kueue's Workload, emulated: a CRD with an open schema and nothing behind it. The tests play Kueue
+#: (they create the Workload it would create for a job); no real Kueue runs here.
+WORKLOAD_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "workloads.kueue.x-k8s.io"},
+    "spec": {
+        "group": "kueue.x-k8s.io", "scope": "Namespaced",
+        "names": {"plural": "workloads", "singular": "workload", "kind": "Workload", "listKind": "WorkloadList"},
+        "versions": [{"name": "v1beta1", "served": True, "storage": True, "subresources": {"status": {}},
+                      "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+    },
+}
+WORKLOADS = "kueue.x-k8s.io/v1beta1"
+
+
+def kueue_creates_workload(cluster, job_name: str) -> str:
+    job = cluster.get(JOBS, "PyTorchJob", job_name)
+    name = f"pytorchjob-{job_name}-0a1b2"
+    cluster.create(WORKLOADS, "Workload", {"metadata": {"name": name, "labels": {
+        "kueue.x-k8s.io/job-uid": job["metadata"]["uid"]}}, "spec": {"active": True, "queueName": "team-a"}})
+    return name
+
+
+def with_suspend(body: dict, suspend: bool, generation: int) -> dict:
+    out = copy.deepcopy(body)
+    out["spec"]["suspend"] = suspend
+    out["metadata"]["generation"] = generation
+    return out
+
+
+def test_a_queued_job_is_suspended_and_resumed_through_its_kueue_workload(cluster):
+    cluster.apply_crd(WORKLOAD_CRD)
+    body = stored(cluster, "GEMTraining", "queued", parallelism={"numNodes": 1}, scheduling={"queueName": "team-a"})
+    reconcile.reconcile("GEMTraining", body, LOG)
+    workload = kueue_creates_workload(cluster, "queued-train")
+
+    reconcile.reconcile("GEMTraining", with_suspend(body, True, 2), LOG)
+    assert cluster.get(WORKLOADS, "Workload", workload)["spec"]["active"] is False
+    # runPolicy.suspend is Kueue's to set for a queued job: the operator leaves it alone
+    assert cluster.get(JOBS, "PyTorchJob", "queued-train")["spec"]["runPolicy"]["suspend"] is False
+
+    reconcile.reconcile("GEMTraining", with_suspend(body, False, 3), LOG)
+    assert cluster.get(WORKLOADS, "Workload", workload)["spec"]["active"] is True
+    messages = sorted(e["message"] for e in cluster.events(involved_name="queued") if e["reason"] in ("Suspended", "Resumed"))
+    assert messages == [f"set spec.active={a} on Kueue Workload {workload}" for a in ("false", "true")]
+
+
+def test_a_queued_job_created_suspended_deactivates_its_workload_once_kueue_made_it(cluster):
+    cluster.apply_crd(WORKLOAD_CRD)
+    body = stored(cluster, "GEMTraining", "held", parallelism={"numNodes": 1},
+                  scheduling={"queueName": "team-a"}, suspend=True)
+    reconcile.reconcile("GEMTraining", body, LOG)
+    reconcile.reconcile("GEMTraining", body, LOG)  # no Workload yet: nothing to apply, nothing recorded
+    annotations = cluster.get(JOBS, "PyTorchJob", "held-train")["metadata"]["annotations"]
+    assert annotations[reconcile.ANNOTATION_REQUESTED_SUSPEND] == "false"
+
+    workload = kueue_creates_workload(cluster, "held-train")
+    reconcile.reconcile("GEMTraining", body, LOG)
+    assert cluster.get(WORKLOADS, "Workload", workload)["spec"]["active"] is False
+    annotations = cluster.get(JOBS, "PyTorchJob", "held-train")["metadata"]["annotations"]
+    assert annotations[reconcile.ANNOTATION_REQUESTED_SUSPEND] == "true"
+
+
+def test_without_kueue_a_queue_label_still_suspends_through_run_policy(cluster):
+    body = stored(cluster, "GEMTraining", "no-kueue", parallelism={"numNodes": 1}, scheduling={"queueName": "team-a"})
+    reconcile.reconcile("GEMTraining", body, LOG)
+    reconcile.reconcile("GEMTraining", with_suspend(body, True, 2), LOG)
+    assert cluster.get(JOBS, "PyTorchJob", "no-kueue-train")["spec"]["runPolicy"]["suspend"] is True
