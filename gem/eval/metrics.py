@@ -31,10 +31,14 @@ def normalized_entropy(y: np.ndarray, p: np.ndarray) -> float:
 
 
 def auc(y: np.ndarray, p: np.ndarray) -> float:
-    """ROC AUC via the Mann-Whitney U statistic with average ranks for ties; nan for one class."""
+    """ROC AUC via the Mann-Whitney U statistic with average ranks for ties; nan for one class.
+
+    nan too when a prediction is not finite: NaN has no rank (argsort would put it last, as the
+    most confident score) and NE is nan then as well.
+    """
     y = y.astype(bool)
     n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
+    if n_pos == 0 or n_neg == 0 or not np.isfinite(p).all():
         return math.nan
     order = np.argsort(p, kind="mergesort")
     sorted_p = p[order]

@@ -14,9 +14,11 @@ Layout, under <spec.checkpoint.path>/<namespace>/<name>/:
       ...
     .tmp-step-00000300/             # a save in progress (or one that crashed): never loaded
 
-Saving: all ranks write into the temp dir -> barrier -> rank 0 renames it to step-XXXXXXXX and
-writes COMPLETE -> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any
-point leaves either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`.
+Saving: all ranks write into the temp dir -> barrier -> rank 0 fsyncs every file and directory in
+it, renames it to step-XXXXXXXX, fsyncs the job dir, writes COMPLETE (fsynced, with its directory)
+-> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any point leaves
+either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`; a
+checkpoint marked COMPLETE is on disk before any older one is deleted.
 With several nodes, checkpoint.path must be shared storage (checkpoint.claimName): otherwise a
 node's shards are invisible to the others and resuming starts from scratch.
 """
@@ -131,6 +133,27 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under root (whoever wrote it: DeepSpeed, torch.save), then every directory, deepest first."""
+    dirs = []
+    for dirpath, _, filenames in os.walk(root):  # top-down
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as f:
+                os.fsync(f.fileno())
+    for path in reversed(dirs):  # children before their parents
+        _fsync_dir(path)
+
+
 def _fsync_save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -168,10 +191,8 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
         _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2))
     barrier()  # every rank's files are in tmp
     if env.is_main:
-        shutil.rmtree(final, ignore_errors=True)  # renamed but not yet marked before a crash
-        os.rename(tmp, final)
-        _fsync_write(final / COMPLETE, json.dumps({"step": step}) + "\n")
-        prune(job, keep_last)
+        _publish(tmp, final, step)
+        prune(job, keep_last)  # only once the new checkpoint is durable
     barrier()
     if env.local_rank == 0 and not env.is_main and tmp.exists():
         # This node does not see rank 0's filesystem: its shards can never form a checkpoint.
@@ -179,6 +200,16 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
                     "to resume multi-node jobs", job)
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _publish(tmp: Path, final: Path, step: int) -> None:
+    """Durably turn the filled temp dir into a complete checkpoint: data, then name, then COMPLETE."""
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # renamed but not yet marked before a crash
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    _fsync_write(final / COMPLETE, json.dumps({"step": step}) + "\n")
+    _fsync_dir(final)
 
 
 def prune(job: Path, keep_last: int) -> None:
@@ -211,29 +242,32 @@ def set_aside_stale(job: Path, uid: str | None) -> Path | None:
     return stale
 
 
-def find_resume_point(env: DistEnv, job: Path, uid: str | None = None) -> Path | None:
-    """The latest complete checkpoint of this resource (uid), if every rank can read it. Collective.
+def resume_candidates(env: DistEnv, job: Path, uid: str | None = None) -> list[Path]:
+    """This resource's (uid) complete checkpoints, newest first, if every rank can see them. Collective.
 
-    Rank 0 decides; checkpoints of an earlier resource of the same name are set aside first.
+    Rank 0 decides; checkpoints of an earlier resource of the same name are set aside first. The
+    trainer loads the first that loads on every rank (an older one when the newest is corrupt).
     """
     if env.is_main:
         set_aside_stale(job, uid)
-    mine = latest_complete(job) if env.is_main else None
-    chosen = broadcast_object(str(mine) if mine else None)
-    if chosen is None:
-        return None
-    visible = all_gather_objects((Path(chosen) / COMPLETE).is_file())
+    mine = [str(p) for p in reversed(complete_checkpoints(job))] if env.is_main else None
+    chosen = broadcast_object(mine)
+    if not chosen:
+        return []
+    visible = all_gather_objects((Path(chosen[0]) / COMPLETE).is_file())
     if not all(visible):
         log.warning("checkpoint %s is not visible on every node: starting from scratch "
-                    "(use a shared volume, checkpoint.claimName, for multi-node resume)", chosen)
-        return None
-    return Path(chosen)
+                    "(use a shared volume, checkpoint.claimName, for multi-node resume)", chosen[0])
+        return []
+    return [Path(c) for c in chosen]
 
 
 def load(engine: Any, env: DistEnv, ckpt: Path) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state. Collective."""
-    engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
-                           load_lr_scheduler_states=True)
+    loaded, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if loaded is None:  # DeepSpeed only warns when its files are missing
+        raise FileNotFoundError(f"{ckpt}: DeepSpeed found no model states to load")
     rng_file = ckpt / "rng" / f"rank-{env.rank:05d}.pt"
     if rng_file.is_file():  # absent when the world grew: the new ranks keep their fresh seeds
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
 import torch.distributed as torch_dist  # noqa: E402
 
 from gem.api.types import ParallelismSpec, TrainingSpec  # noqa: E402
+from gem.data.errors import SpecError  # noqa: E402
 from gem.parallel.job import deepspeed_overrides  # noqa: E402
 from gem.parallel.plan import ParallelPlan  # noqa: E402
 
@@ -154,8 +155,8 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
     """
     precision = str(training.precision)
     if precision == "mxfp8":
-        # MXFP8 needs Blackwell-class kernels this trainer does not ship yet; bf16 is its fallback.
-        log.warning("training.precision mxfp8 is not supported by this trainer yet: training in bf16")
+        # apply_precision (precision.py) swaps the Linears for MXFP8 ones; DeepSpeed itself runs its
+        # bf16 mode around them (bf16 module and autocast, fp32 master weights)
         precision = "bf16"
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": training.batch_size,
@@ -173,5 +174,24 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
         config = _merge(config, deepspeed_config_fragment(plan, micro_batch_size=training.batch_size))
     overrides, _ = deepspeed_overrides(training.deepspeed)
     if overrides:
+        _check_batch_overrides(overrides, config)
         config = _merge(config, overrides)
     return config
+
+
+#: DeepSpeed keys the trainer derives itself: one optimizer step per batch it hands out (the step
+#: counter, LR schedule, checkpoints and loader position all count optimizer steps).
+_BATCH_KEYS = {
+    "gradient_accumulation_steps": "remove it (gradient accumulation is not supported): "
+                                   "raise spec.training.batchSize or the number of ranks for a bigger global batch",
+    "train_micro_batch_size_per_gpu": "remove it and set spec.training.batchSize instead",
+    "train_batch_size": "remove it: it is spec.training.batchSize x the data-parallel ranks",
+}
+
+
+def _check_batch_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
+    """Refuse training.deepspeed batch keys that differ from what the trainer derives (a SpecError)."""
+    for key, fix in _BATCH_KEYS.items():
+        if key in overrides and overrides[key] != derived[key]:
+            raise SpecError(f"spec.training.deepspeed.{key}: {overrides[key]!r} differs from the trainer's "
+                            f"{derived[key]!r}; {fix}")

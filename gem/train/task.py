@@ -13,6 +13,7 @@ from torch import nn
 
 from gem.api.types import DataSpec, GEMTraining
 from gem.data import Batch, Examples
+from gem.data.errors import SpecError
 from gem.data.sources import load_data
 from gem.model import GEMModel, config_from_spec
 from gem.model.loss import multitask_bce
@@ -42,8 +43,8 @@ def load_splits(data: DataSpec, *, max_history: int = 64) -> tuple[Any, Examples
     """
     splits = load_data(data, max_history=max_history)
     if splits.mixed:
-        raise ValueError("this command reads one data source; data.sources mixes several: "
-                         "use data.source (or one entry in data.sources)")
+        raise SpecError("spec.data.sources: this command reads one data source; data.sources mixes several: "
+                        "use data.source (or one entry in data.sources)")
     return next(iter(splits.train.values())), splits.eval
 
 

@@ -2,8 +2,10 @@
 
 - Tracking URI: spec.mlflow.trackingUri, else $MLFLOW_TRACKING_URI (credentials, e.g.
   MLFLOW_TRACKING_TOKEN / MLFLOW_TRACKING_USERNAME, come only from the environment).
-- One run per job: tagged gem.dev/{name,namespace,uid,kind}; a restarted job finds its run by the
-  uid tag and continues it instead of starting a new one.
+- One run per training from step 0: tagged gem.dev/{name,namespace,uid,kind}. A job resumed from
+  a checkpoint continues the run that checkpoint recorded (trainer_state.json's mlflowRunId);
+  a fresh start always creates a new run, even if an earlier run carries the same uid tag.
+- Tracking URIs are logged and reported without credentials (user:pass@ is stripped).
 - Params: the resolved spec, flattened (`training.learningRate`, ...), logged once.
 - Metrics: per-step loss and lr (buffered, written in batches), eval metrics.
 - Artifacts: the resolved manifest (gem.yaml) and the final checkpoint's model.pt + gem.yaml
@@ -21,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -50,6 +53,14 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def redact_uri(uri: str) -> str:
+    """The URI without user:password@ (safe to log and to put in reports)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def job_uid(manifest: Any) -> str:
     """The object's uid; local runs (no uid) get a stable stand-in from namespace and name."""
     meta = manifest.metadata
@@ -70,7 +81,8 @@ class Tracker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, resume_run_id: str | None = None) -> None:
+        """Continue run `resume_run_id` (the resumed checkpoint's), else create a new run."""
         if not self.active:
             return
         import mlflow
@@ -83,14 +95,27 @@ class Tracker:
         experiment = self._client.get_experiment_by_name(spec.experiment)
         self.experiment_id = (experiment.experiment_id if experiment
                               else self._client.create_experiment(spec.experiment))
-        uid = job_uid(self.manifest)
-        runs = self._client.search_runs([self.experiment_id], filter_string=f"tags.`gem.dev/uid` = '{uid}'",
-                                        order_by=["attributes.start_time DESC"], max_results=1)
-        if runs:
-            self.run_id = runs[0].info.run_id
-            self._client.update_run(self.run_id, status="RUNNING")
-            log.info("mlflow: continuing run %s (experiment %s)", self.run_id, self.experiment_id)
+        if resume_run_id and self._continue(resume_run_id):
             return
+        self._create_run()
+
+    def _continue(self, run_id: str) -> bool:
+        """Reopen the resumed checkpoint's run; False (a new run follows) if this store does not have it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException as e:
+            log.warning("mlflow: run %s of the checkpoint is not in %s (%s): starting a new run",
+                        run_id, redact_uri(self.tracking_uri), e.error_code)
+            return False
+        self.run_id, self.experiment_id = run_id, run.info.experiment_id
+        self._client.update_run(self.run_id, status="RUNNING")
+        log.info("mlflow: continuing run %s (experiment %s)", self.run_id, self.experiment_id)
+        return True
+
+    def _create_run(self) -> None:
+        uid = job_uid(self.manifest)
         meta = self.manifest.metadata
         tags = {"gem.dev/name": meta.name, "gem.dev/namespace": meta.namespace or "local", "gem.dev/uid": uid,
                 "gem.dev/kind": self.manifest.kind}
@@ -106,7 +131,8 @@ class Tracker:
             path = Path(tmp) / "gem.yaml"
             path.write_text(yaml.safe_dump(self.manifest.to_wire(), sort_keys=False))
             self._client.log_artifact(self.run_id, str(path))
-        log.info("mlflow: started run %s (experiment %s) at %s", self.run_id, self.experiment_id, self.tracking_uri)
+        log.info("mlflow: started run %s (experiment %s) at %s", self.run_id, self.experiment_id,
+                 redact_uri(self.tracking_uri))
 
     def end(self, status: str = "FINISHED") -> None:
         if self.active and self.run_id:
@@ -179,7 +205,7 @@ class Tracker:
 
     @property
     def run_url(self) -> str | None:
-        uri = self.tracking_uri or ""
+        uri = redact_uri(self.tracking_uri or "")
         if self.run_id and uri.startswith(("http://", "https://")):
             return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
         return None

@@ -6,6 +6,7 @@
         # ep / sparse_shard: expert and embedding-row shards stay out of DeepSpeed, with their own AdamW
         # (gem.train.optim.ShardOptimizer: synced after backward, clipped with the global norm)
     resume from the latest complete checkpoint   # model, optimizer, scheduler, data position, RNG
+        (the one before it, with a warning, when it does not load); MLflow continues its run
     for step in start+1 .. training.steps:
         loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
         every evalEvery steps: evaluate;  every checkpoint.everySteps and at the end: save
@@ -61,6 +62,7 @@ class Trainer:
         )
         self.total_steps = self.spec.training.steps
         self.step = 0
+        self.resumed_from: Path | None = None
         self.tracker = Tracker(self.manifest, active=env.is_main)
         self.bf16 = str(self.spec.training.precision) in ("bf16", "mxfp8")
 
@@ -113,17 +115,36 @@ class Trainer:
             if self.data.mixed:
                 log.info("data mixing: %s", " ".join(f"{n}={w:.3f}" for n, w in self.data.weights.items()))
 
-    def _resume(self) -> None:
-        ckpt = checkpoint.find_resume_point(self.env, self.job_dir, uid=self.manifest.metadata.uid)
-        if ckpt is None:
-            return
-        state = checkpoint.load(self.engine, self.env, ckpt)
-        if self.shard_opt is not None:  # DeepSpeed's module file holds rank 0's shards: put back this rank's
-            self.shard_opt.load_state_dict(checkpoint.load_rank_state(self.env, ckpt))
-        self.step = int(state["step"])
-        self.loader.load_state_dict(state["loader"])
-        if self.env.is_main:
-            log.info("resumed from %s at step %d", ckpt, self.step)
+    def _resume(self) -> dict[str, Any] | None:
+        """Load the newest checkpoint that loads on every rank; its trainer state, or None for a fresh start."""
+        candidates = checkpoint.resume_candidates(self.env, self.job_dir, uid=self.manifest.metadata.uid)
+        first_error = None
+        for ckpt in candidates:
+            state, error = self._try_load(ckpt)
+            errors = [e for e in all_gather_objects(error) if e]  # every rank must resume from the same one
+            if not errors:
+                self.resumed_from = ckpt
+                if self.env.is_main:
+                    log.info("resumed from %s at step %d", ckpt, self.step)
+                return state
+            first_error = first_error or errors[0]
+            log.warning("checkpoint %s does not load (%s): trying the previous complete one", ckpt, errors[0])
+        if candidates:
+            raise RuntimeError(f"none of the {len(candidates)} complete checkpoints under {self.job_dir} loads; "
+                               f"the newest, {candidates[0].name}: {first_error}")
+        return None
+
+    def _try_load(self, ckpt: Path) -> tuple[dict[str, Any] | None, str | None]:
+        """(trainer state, None) once model, optimizer, loader and step are restored; (None, why) if not."""
+        try:
+            state = checkpoint.load(self.engine, self.env, ckpt)
+            if self.shard_opt is not None:  # DeepSpeed's module file holds rank 0's shards: put back this rank's
+                self.shard_opt.load_state_dict(checkpoint.load_rank_state(self.env, ckpt))
+            self.loader.load_state_dict(state["loader"])
+            self.step = int(state["step"])
+        except Exception as e:  # noqa: BLE001 - a truncated or missing file shows up as any of several types
+            return None, f"{type(e).__name__}: {e}"
+        return state, None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # DeepSpeed's bf16 mode stores the module in bf16 (fp32 masters in the optimizer);
@@ -189,16 +210,17 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to training.steps and return the final report (identical on every rank)."""
         self._setup()
-        self.tracker.start()
         try:
+            state = self._resume()
+            # a resumed run continues the MLflow run its checkpoint recorded; a fresh start gets a new one
+            self.tracker.start(resume_run_id=(state or {}).get("mlflowRunId"))
             return self._run()
         except BaseException:
             self.tracker.end("FAILED")
             raise
 
     def _run(self) -> dict[str, Any]:
-        self._resume()
-        last_ckpt = checkpoint.latest_complete(self.job_dir) if self.step else None
+        last_ckpt = self.resumed_from
         training, every = self.spec.training, self.spec.checkpoint.every_steps
         progress = self._progress_bar()
         t0, seen = time.perf_counter(), 0

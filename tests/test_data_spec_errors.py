@@ -1,0 +1,62 @@
+"""Data a spec names but that cannot be used is a SpecError naming the field (gem/data/sources.py):
+`gem train` / `gem eval` turn it into a config error, exit 2 (tests/test_train_setup.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from gem.api.types import DataSpec, SyntheticDataSpec
+from gem.data import SyntheticWorld
+from gem.data.errors import SpecError
+from gem.data.parquet import examples_to_table, slice_examples, write_examples
+from gem.data.sources import load_data
+
+WORLD = {"numUsers": 50, "numAds": 20, "numTrainExamples": 64, "numEvalExamples": 16, "meanHistoryLen": 4}
+
+
+def write_parquet(path, n_train: int, n_eval: int):
+    """A data set of n_train / n_eval rows; an eval split of 0 rows is one file with no rows in it."""
+    world = SyntheticWorld(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=10,
+                                             mean_history_len=4.0))
+    write_examples(world.sample(n_train, split=0), path / "train")
+    (path / "eval").mkdir(parents=True)
+    pq.write_table(examples_to_table(slice_examples(world.sample(max(n_eval, 1), split=1), np.arange(n_eval))),
+                   path / "eval" / "part-00000.parquet")
+    return path
+
+
+def test_a_missing_parquet_directory_names_data_path(tmp_path):
+    with pytest.raises(SpecError, match=r"^spec\.data\.path: cannot read Parquet data at .*no-such-dir"):
+        load_data(DataSpec.model_validate({"source": "parquet", "path": str(tmp_path / "no-such-dir")}))
+
+
+def test_a_missing_source_names_its_index(tmp_path):
+    spec = DataSpec.model_validate({"sources": [{"name": "a", "synthetic": WORLD},
+                                                {"name": "b", "source": "parquet", "path": str(tmp_path / "nope")}]})
+    with pytest.raises(SpecError, match=r"^spec\.data\.sources\[1\]\.path: "):
+        load_data(spec)
+
+
+def test_an_empty_eval_split_is_refused_before_training(tmp_path):
+    path = write_parquet(tmp_path / "d", n_train=64, n_eval=0)
+    with pytest.raises(SpecError, match=r"^spec\.data\.path: the eval split has no examples"):
+        load_data(DataSpec.model_validate({"source": "parquet", "path": str(path)}))
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"synthetic": WORLD}, "spec.data.synthetic.numTrainExamples"),
+    ({"source": "parquet"}, "spec.data.path"),
+    ({"sources": [{"name": "a", "synthetic": {**WORLD, "numTrainExamples": 256}}, {"name": "b", "source": "parquet"}]},
+     "spec.data.sources[1].path"),
+])
+def test_too_few_training_examples_name_the_sources_field(tmp_path, data, field):
+    path = str(write_parquet(tmp_path / "d", n_train=40, n_eval=8))
+    for src in [data, *data.get("sources", [])]:
+        if src.get("source") == "parquet":
+            src["path"] = path
+    splits = load_data(DataSpec.model_validate(data))
+    with pytest.raises(SpecError) as e:
+        splits.train_loader(batch_size=40, max_seq_len=8, rank=0, world_size=2, seed=0)
+    assert str(e.value).startswith(f"{field}: ") and "spec.training.batchSize" in str(e.value)

@@ -1,0 +1,190 @@
+"""`gem train` / `gem eval` in-process: config errors found at setup exit 2 naming the field, where
+`gem eval` looks for checkpoints, corrupt-checkpoint fallback, durable saves, and which MLflow run
+a start continues."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gem import cli
+from gem.data.errors import SpecError
+from gem.train import checkpoint
+from gem.train.dist import DistEnv
+
+pytestmark = pytest.mark.usefixtures("trainer_env")  # tests/conftest.py
+
+
+def manifest(tmp_path, name, *, steps=4, every=2, ckpt="ckpt", **spec_overrides):
+    spec = {
+        "model": {"preset": "tiny"},
+        "data": {"synthetic": {"numUsers": 50, "numAds": 20, "numTrainExamples": 256, "numEvalExamples": 64,
+                               "meanHistoryLen": 4}},
+        "training": {"steps": steps, "batchSize": 8, "warmupSteps": 0},
+        "checkpoint": {"path": str(tmp_path / ckpt), "everySteps": every, "keepLast": 3},
+        "mlflow": {"enabled": False},
+    }
+    for key, value in spec_overrides.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": name}, "spec": spec}
+    path = tmp_path / f"{name}-{ckpt}.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+def config_error(tmp_path, capsys, argv, field):
+    """Run the CLI; it must exit 2 with `field` in stderr and in the termination message."""
+    assert cli.main(argv) == 2
+    assert field in capsys.readouterr().err
+    assert field in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
+# --------------------------------------------------------------------------- config errors at setup
+
+
+def test_missing_parquet_data_is_a_config_error(tmp_path, capsys):
+    path = manifest(tmp_path, "pq", data={"source": "parquet", "path": str(tmp_path / "no-such-dir")})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.data.path")
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was trained or saved
+
+
+def test_an_empty_eval_split_fails_before_training(tmp_path, capsys):
+    from tests.test_data_spec_errors import write_parquet
+
+    data = write_parquet(tmp_path / "d", n_train=256, n_eval=0)
+    path = manifest(tmp_path, "noeval", data={"source": "parquet", "path": str(data)})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.data.path")
+    assert checkpoint.latest_complete(tmp_path / "ckpt/local/noeval") is None
+
+
+def test_gradient_accumulation_overrides_are_refused(tmp_path, capsys):
+    from gem.api.types import ParallelismSpec, TrainingSpec
+    from gem.train.dist import deepspeed_config
+
+    for key, value in (("gradient_accumulation_steps", 4), ("train_micro_batch_size_per_gpu", 4),
+                       ("train_batch_size", 32)):
+        training = TrainingSpec.model_validate({"batchSize": 8, "deepspeed": {key: value}})
+        with pytest.raises(SpecError, match=rf"^spec\.training\.deepspeed\.{key}: "):
+            deepspeed_config(training, ParallelismSpec(), world_size=1)
+    same = TrainingSpec.model_validate({"batchSize": 8, "deepspeed": {"gradient_accumulation_steps": 1}})
+    assert deepspeed_config(same, ParallelismSpec(), world_size=1)["gradient_accumulation_steps"] == 1
+    path = manifest(tmp_path, "gas", training={"deepspeed": {"gradient_accumulation_steps": 4,
+                                                             "train_batch_size": 32}})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)],
+                 "spec.training.deepspeed.gradient_accumulation_steps")
+
+
+def test_eval_of_a_missing_checkpoint_is_a_config_error(tmp_path, capsys):
+    path = manifest(tmp_path, "ev")
+    config_error(tmp_path, capsys, ["eval", "--config", str(path), "--checkpoint", str(tmp_path / "nope")],
+                 "--checkpoint")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_eval_reads_checkpoints_where_the_trainer_wrote_them(tmp_path, monkeypatch, capsys):
+    """GEM_CHECKPOINT_DIR (the mounted volume) wins over spec.checkpoint.path for both."""
+    monkeypatch.setenv(checkpoint.ENV_CHECKPOINT_DIR, str(tmp_path / "volume"))
+    path = manifest(tmp_path, "mounted", steps=2)
+    assert cli.main(["train", "--config", str(path)]) == 0
+    capsys.readouterr()
+    # another run's checkpoint at spec.checkpoint.path: not the one to evaluate
+    other = tmp_path / "ckpt/local/mounted/step-00000009"
+    other.mkdir(parents=True)
+    (other / checkpoint.COMPLETE).write_text("{}")
+    assert cli.main(["eval", "--config", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["checkpoint"] == str(tmp_path / "volume/local/mounted/step-00000002")
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    path = manifest(tmp_path, "corrupt", steps=6, every=2)
+    os.environ["GEM_FAULT_AT_STEP"] = "4"
+    assert cli.main(["train", "--config", str(path)]) == 1
+    del os.environ["GEM_FAULT_AT_STEP"]
+    job = tmp_path / "ckpt/local/corrupt"
+    latest = checkpoint.latest_complete(job)
+    assert latest.name == "step-00000004"
+    (latest / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    with caplog.at_level("INFO", logger="gem.train"):
+        assert cli.main(["train", "--config", str(path)]) == 0
+    assert "step-00000004 does not load" in caplog.text and "at step 2" in caplog.text
+    report = json.loads((tmp_path / "termination-log").read_text())
+    assert report["step"] == 6 and report["checkpoint"] == str(job / "step-00000006")
+
+
+def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path, monkeypatch):
+    """Every file and directory of a checkpoint is fsynced before it is renamed; the job dir after the
+    rename; COMPLETE last; older checkpoints are deleted only then."""
+    import torch
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename, real_prune = os.fsync, os.rename, checkpoint.prune
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                  real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(checkpoint, "prune", lambda job, keep: (events.append(("prune", "")), real_prune(job, keep))[1])
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+
+    class Engine:  # DeepSpeed's part: writes its own files into the tag directory
+        def save_checkpoint(self, save_dir, tag, save_latest):
+            (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"ds")
+
+    job = tmp_path / "job"
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    for step in (1, 2):
+        events.clear()
+        final = checkpoint.save(Engine(), env, job, step=step, manifest={}, state={"step": step}, keep_last=1)
+    tmp = str(job / ".tmp-step-00000002")
+    synced_before_rename = {p for kind, p in events[: events.index(("rename", str(final)))] if kind == "fsync"}
+    files = {str(p).replace(str(final), tmp) for p in final.rglob("*") if p.name != checkpoint.COMPLETE}
+    assert files <= synced_before_rename  # model.pt, rng/, DeepSpeed's file, the rng/ directory
+    assert tmp in synced_before_rename
+    after = events[events.index(("rename", str(final))) + 1:]
+    assert after == [("fsync", str(job)), ("fsync", str(final / checkpoint.COMPLETE)), ("fsync", str(final)),
+                     ("prune", "")]
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000002"]
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+def test_a_fresh_start_gets_a_new_mlflow_run_and_a_resume_continues_its_own(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow_spec = {"enabled": True, "experiment": "runs", "trackingUri": uri, "registerModel": False}
+    first = manifest(tmp_path, "same-name", steps=2, ckpt="a", mlflow=mlflow_spec)
+    second = manifest(tmp_path, "same-name", steps=4, ckpt="b", mlflow=mlflow_spec)  # same uid, fresh start
+    assert cli.main(["train", "--config", str(first)]) == 0
+    first_run = json.loads((tmp_path / "termination-log").read_text())["mlflowRunId"]
+    os.environ["GEM_FAULT_AT_STEP"] = "3"  # the step-2 checkpoint records the second run's id
+    assert cli.main(["train", "--config", str(second)]) == 1
+    del os.environ["GEM_FAULT_AT_STEP"]
+    assert cli.main(["train", "--config", str(second)]) == 0
+    second_run = json.loads((tmp_path / "termination-log").read_text())["mlflowRunId"]
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("runs").experiment_id])
+    assert first_run != second_run and {r.info.run_id for r in runs} == {first_run, second_run}
+    assert client.get_run(first_run).data.metrics["train/loss"] and client.get_run(first_run).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(second_run, "train/loss")]
+    assert sorted(set(steps)) == [1, 2, 3, 4] and steps.count(3) == 2  # step 3 ran (and was logged) twice
+
+
+def test_tracking_uris_are_reported_without_credentials():
+    from gem.api import parse_object
+    from gem.train.tracking import Tracker, redact_uri
+
+    assert redact_uri("https://user:s3cret@mlflow.example:5000/") == "https://mlflow.example:5000/"
+    assert redact_uri("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+    obj = parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"},
+                        "spec": {}})
+    t = Tracker(obj, active=True)
+    t.tracking_uri, t.experiment_id, t.run_id = "http://bob:pw@mlflow:5000", "7", "abc"
+    assert t.run_url == "http://mlflow:5000/#/experiments/7/runs/abc"
