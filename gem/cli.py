@@ -102,7 +102,7 @@ def _task(manifest: Any, command: str, env: Any) -> Any:
 
 def _train(manifest: Any, command: str) -> int:
     from gem.train import report as final_report
-    from gem.train.dist import init_distributed, shutdown
+    from gem.train.dist import barrier, init_distributed, shutdown
     from gem.train.trainer import Trainer
 
     env = init_distributed()
@@ -112,6 +112,9 @@ def _train(manifest: Any, command: str) -> int:
         if env.is_main:
             final_report.write(result)
             print(json.dumps(result), flush=True)
+        # Leave together: a rank tearing down its gloo pairs while a peer still talks to them can
+        # abort that peer ("terminate called without an active exception", seen once under load).
+        barrier()
         return 0
     finally:
         shutdown()
