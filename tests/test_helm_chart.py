@@ -347,6 +347,16 @@ def test_probes_hit_liveness_and_readiness_endpoints() -> None:
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ready"}
 
 
+@pytest.mark.parametrize("probe", ["livenessProbe", "readinessProbe"])
+def test_a_null_probe_is_dropped(probe: str) -> None:
+    """`--set operator.<probe>=null` removes that probe; the other stays (was: a bare `null` under httpGet)."""
+    docs = render({"operator": {probe: None}})
+    validate_builtin(docs)
+    c = operator_container(docs)
+    other = "readinessProbe" if probe == "livenessProbe" else "livenessProbe"
+    assert probe not in c and c[other]["httpGet"]["path"] in ("/healthz", "/readyz")
+
+
 @pytest.mark.parametrize(
     ("watch", "expected"),
     [([], {"all_namespaces": True, "namespace": []}), (["team-a", "team-b"], {"all_namespaces": False, "namespace": ["team-a", "team-b"]})],
@@ -471,6 +481,48 @@ def test_every_toggle_combination_renders(scope: str, service_monitor: bool, kue
         for (kind, ns), g in grants.items():
             if kind == "Role":
                 assert g | grants[("ClusterRole", "")] == triples(RBAC_RULES), ns
+
+
+# --------------------------------------------------------------------------- Kueue LocalQueues
+
+
+def local_queues(values: dict[str, Any]) -> list[str]:
+    return sorted(q["metadata"]["namespace"] for q in by_kind(render(values), "LocalQueue"))
+
+
+def kueue_notes(values: dict[str, Any]) -> str:
+    text = notes(values)
+    return text[text.index("Kueue:"):text.index("Upgrading:")]
+
+
+def test_an_all_namespaces_operator_gets_local_queues_where_asked_and_notes_say_where() -> None:
+    """The operator labels jobs in every namespace, but a LocalQueue exists only where the chart made
+    one: NOTES name exactly those namespaces and warn that jobs elsewhere stay suspended."""
+    kueue = {"enabled": True, "clusterQueue": "cq"}
+    assert local_queues({"kueue": kueue}) == [NAMESPACE]  # default: the release namespace
+    text = kueue_notes({"kueue": kueue})
+    assert f"created in: {NAMESPACE}." in text and "stay suspended" in text
+    assert "NS=gem-system" in notes({"kueue": kueue})  # the sample goes where it is admitted
+
+    values = {"kueue": {**kueue, "localQueueNamespaces": ["team-b", "default"]}}
+    assert local_queues(values) == ["default", "team-b"]
+    text = kueue_notes(values)
+    assert "created in: team-b, default." in text and NAMESPACE not in text and "stay suspended" in text
+    assert "kueue.localQueueNamespaces" in text  # how to cover another namespace
+
+
+def test_a_namespaced_operator_gets_a_local_queue_in_every_served_namespace() -> None:
+    values = {"watchNamespaces": ["team-a", "team-b"], "kueue": {"enabled": True, "clusterQueue": "cq"}}
+    assert local_queues(values) == ["team-a", "team-b"]
+    text = kueue_notes(values)
+    assert "created in: team-a, team-b." in text and "other namespace" not in text
+
+
+def test_without_a_cluster_queue_notes_say_no_local_queue_was_created() -> None:
+    values = {"kueue": {"enabled": True, "localQueueNamespaces": ["team-a"]}}
+    assert local_queues(values) == []
+    text = kueue_notes(values)
+    assert "None was created" in text and "created in:" not in text
 
 
 # --------------------------------------------------------------------------- NOTES.txt

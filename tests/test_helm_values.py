@@ -77,6 +77,9 @@ BAD_VALUES = [
     ({"mlflow": {"password": "hunter2"}}, "password"),  # no place for credentials in values
     ({"kueue": {"enabled": "yes"}}, "/kueue/enabled"),
     ({"kueue": {"queueName": "Bad Queue"}}, "/kueue/queueName"),
+    ({"kueue": {"localQueueNamespaces": ["Team_A"]}}, "/kueue/localQueueNamespaces/0"),
+    # with watchNamespaces the LocalQueues go to exactly those: a second list would be ignored
+    ({"watchNamespaces": ["team-a"], "kueue": {"localQueueNamespaces": ["team-b"]}}, "/kueue/localQueueNamespaces"),
     ({"metrics": {"port": 0}}, "/metrics/port"),
     ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
@@ -123,6 +126,8 @@ GOOD_VALUES = [
     {"watchNamespaces": ["team-a"], "rbac": {"scope": "namespaced"}},
     {"global": {"imageRegistry": "mirror.example.com"}},
     {"nodePools": {}, "trainer": {"nodePool": ""}},
+    {"kueue": {"enabled": True, "clusterQueue": "cq", "localQueueNamespaces": ["default", "team-a"]}},
+    {"operator": {"livenessProbe": None, "readinessProbe": None}},
 ]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from gem.launcher import LocalPyTorchJob, training_operator_env
 from gem.launcher.env import container_env
 from tests.kubeapi.testing import pytorchjob
@@ -51,4 +53,32 @@ def test_local_job_runs_and_fails_like_the_operator(tmp_path):
     with LocalPyTorchJob(job, tmp_path / "2") as run:
         run.start()
         assert run.wait(timeout=30) == "Failed"
-        assert run.pods["loc-master-0"].state.restart_count == 1 and run.pods["loc-master-0"].state.exit_code == 4
+        # backoffLimit 1: the operator fails the job as the first restart's restartCount reaches 1
+        assert run.pods["loc-master-0"].state.restart_count == 0 and run.pods["loc-master-0"].state.exit_code == 4
+
+
+# The first `fails` runs exit with `code`, later ones succeed (the sandbox, so the count, survives restarts).
+FLAKY = ("import pathlib, sys; p = pathlib.Path('runs'); n = len(p.read_text()) if p.exists() else 0; "
+         "p.write_text('x' * (n + 1)); sys.exit({code} if n < {fails} else 0)")
+
+
+@pytest.mark.parametrize(("policy", "limit", "fails", "code", "phase", "restarts"), [
+    # OnFailure (what gem.api.render renders): v1.9 PastBackoffLimit fails the job once the pods'
+    # summed restartCount is >= backoffLimit (> 0 for 0), so a limit of n allows n - 1 restarts.
+    ("OnFailure", 3, 2, 1, "Succeeded", 2),
+    ("OnFailure", 3, 3, 1, "Failed", 2),
+    ("OnFailure", 1, 1, 1, "Failed", 0),
+    ("OnFailure", 0, 1, 1, "Failed", 0),
+    ("OnFailure", None, 3, 1, "Succeeded", 3),  # no limit: restarts go on
+    # ExitCode recreations (exit >= 128) are outside that rule: up to backoffLimit of them
+    ("ExitCode", 1, 1, 137, "Succeeded", 1),
+    ("ExitCode", 1, 2, 137, "Failed", 1),
+])
+def test_backoff_limit_counts_restarts_like_training_operator(tmp_path, policy, limit, fails, code, phase, restarts):
+    run_policy = {} if limit is None else {"backoffLimit": limit}
+    job = pytorchjob("bo", [sys.executable, "-c", FLAKY.format(code=code, fails=fails)], restart_policy=policy,
+                     run_policy=run_policy)
+    with LocalPyTorchJob(job, tmp_path) as run:
+        run.start()
+        assert run.wait(timeout=30, interval=0.02) == phase
+        assert run.pods["bo-master-0"].state.restart_count == restarts == run.restarts

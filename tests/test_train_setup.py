@@ -49,7 +49,9 @@ def config_error(tmp_path, capsys, argv, field):
 def test_missing_parquet_data_is_a_config_error(tmp_path, capsys):
     path = manifest(tmp_path, "pq", data={"source": "parquet", "path": str(tmp_path / "no-such-dir")})
     config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.data.path")
-    assert not (tmp_path / "ckpt").exists()  # refused before anything was trained or saved
+    # refused before anything was trained or saved (only the job dir exists: the writability check made it)
+    assert checkpoint.latest_complete(tmp_path / "ckpt/local/pq") is None
+    assert not any((tmp_path / "ckpt/local/pq").iterdir())
 
 
 def test_an_empty_eval_split_fails_before_training(tmp_path, capsys):
@@ -59,6 +61,40 @@ def test_an_empty_eval_split_fails_before_training(tmp_path, capsys):
     path = manifest(tmp_path, "noeval", data={"source": "parquet", "path": str(data)})
     config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.data.path")
     assert checkpoint.latest_complete(tmp_path / "ckpt/local/noeval") is None
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_an_unwritable_checkpoint_root_fails_before_training(tmp_path, capsys, monkeypatch, via_env):
+    """A root under a regular file cannot be created, even by root: exit 2 naming both knobs, before
+    any data is loaded (was: PermissionError at the first save, checkpoint.everySteps steps in)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.delenv(checkpoint.ENV_CHECKPOINT_DIR, raising=False)
+    if via_env:
+        monkeypatch.setenv(checkpoint.ENV_CHECKPOINT_DIR, str(tmp_path / "file" / "volume"))
+        path = manifest(tmp_path, "ro")
+    else:
+        path = manifest(tmp_path, "ro", checkpoint={"path": str(tmp_path / "file" / "ckpt")})
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("the run set up before checking its checkpoint root")
+
+    monkeypatch.setattr("gem.train.trainer.load_data", no_setup)
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.checkpoint.path")
+    report = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert "GEM_CHECKPOINT_DIR" in report and str(tmp_path / "file") in report
+    assert ("wins over spec.checkpoint.path" in report) == via_env
+
+
+@pytest.mark.parametrize("example", ["quickstart.yaml", "loopfm-distill.yaml"])
+def test_example_local_commands_set_a_writable_checkpoint_root(example):
+    """The examples keep the pods' checkpoint.path (/var/lib/gem/...): their local `gem` command must
+    point GEM_CHECKPOINT_DIR somewhere a user can write, or it dies at the first save."""
+    text = (Path(__file__).resolve().parents[1] / "examples" / example).read_text()
+    commands = [line for line in text.splitlines() if line.startswith("#") and " --config examples/" in line
+                and ("gem train" in line or "gem distill" in line)]
+    assert commands
+    for line in commands:
+        assert "GEM_CHECKPOINT_DIR=.gem/checkpoints gem " in line, line
 
 
 def test_gradient_accumulation_overrides_are_refused(tmp_path, capsys):

@@ -27,9 +27,13 @@ No cluster, no containers, no torch import. Two layers:
   training-operator v1.9 injects (see `gem.launcher.env`), mapping the master's Service
   address to 127.0.0.1 and its port to a free local port, and decides the job's outcome
   like the operator: the job succeeds when the master succeeds (all workers when there is
-  no master) and fails when a replica fails beyond `runPolicy.backoffLimit` restarts
-  (replicas with restartPolicy OnFailure/Always restart in place; ExitCode restarts only
-  on exit codes >= 128; Never does not restart).
+  no master). Replicas with restartPolicy OnFailure/Always (what gem.api.render renders)
+  restart in place, and the job fails where v1.9's PastBackoffLimit would: once the summed
+  restartCount of its OnFailure/Always pods that have not succeeded reaches
+  `runPolicy.backoffLimit` (is > 0 for a limit of 0). A failure is not restarted when that
+  restart would reach the limit, so a limit of n allows n - 1 restarts (none for 0 or 1).
+  ExitCode restarts on exit codes >= 128, counted apart: up to `backoffLimit` of them (the
+  operator recreates such pods, which PastBackoffLimit does not count); Never does not restart.
 
 The process environment is a small base (`BASE_ENV_KEYS` copied from this process when
 set, `PATH` with the interpreter's bin dir first, and `HOSTNAME` = pod name) plus the
@@ -463,7 +467,24 @@ class LocalPyTorchJob:
             return False
         if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
             return False
-        return self.backoff_limit is None or self.restarts < int(self.backoff_limit)
+        return not self._backoff_exhausted(r)
+
+    def _backoff_exhausted(self, r: ReplicaInfo) -> bool:
+        """Whether restarting the failed replica `r` would take the job past runPolicy.backoffLimit."""
+        if self.backoff_limit is None:
+            return False
+        limit = int(self.backoff_limit)
+        in_place = ("OnFailure", "Always")
+        if r.restart_policy in in_place:
+            # training-operator v1.9 PastBackoffLimit sums restartCount over Running pods of
+            # OnFailure/Always replicas (a succeeded pod drops out) and fails the job at
+            # `result > 0` for a limit of 0, else `result >= limit`. The kubelet's restart would
+            # add 1 and the operator would then fail the job: so do not make that restart.
+            after = 1 + sum(x.pod.state.restart_count for x in self.replicas.values()
+                            if x.restart_policy in in_place and x.pod.state.phase != "Succeeded")
+            return limit == 0 or after >= limit  # after >= 1, so `after > 0` always holds
+        # ExitCode: the operator recreates the pod (restartCount 0), outside that rule.
+        return sum(x.pod.state.restart_count for x in self.replicas.values() if x.restart_policy == "ExitCode") >= limit
 
     def phase_now(self) -> str:
         states = {n: r for n, r in self.replicas.items()}
@@ -476,7 +497,7 @@ class LocalPyTorchJob:
             if st.phase == "Failed":
                 if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
                     return "Failed"
-                if self.backoff_limit is not None and self.restarts >= int(self.backoff_limit):
+                if self._backoff_exhausted(r):
                     return "Failed"
         return "Running"
 

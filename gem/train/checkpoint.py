@@ -14,6 +14,9 @@ Layout, under <spec.checkpoint.path>/<namespace>/<name>/:
       ...
     .tmp-step-00000300/             # a save in progress (or one that crashed): never loaded
 
+Before the run sets up, every node's local rank 0 creates the job dir and writes a probe file in it
+(`check_writable`): an unwritable root fails fast with a SpecError (exit 2) instead of at the first save.
+
 Saving: all ranks write into the temp dir -> barrier -> rank 0 fsyncs every file and directory in
 it, renames it to step-XXXXXXXX, fsyncs the job dir, writes COMPLETE (fsynced, with its directory)
 -> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any point leaves
@@ -39,6 +42,7 @@ import numpy as np
 import torch
 import yaml
 
+from gem.data.errors import SpecError
 from gem.train.dist import DistEnv, barrier, broadcast_object, all_gather_objects
 
 log = logging.getLogger("gem.train")
@@ -62,6 +66,41 @@ def checkpoint_root(spec_path: str) -> str:
 
 def job_dir(root: str | os.PathLike, namespace: str, name: str) -> Path:
     return Path(root) / namespace / name
+
+
+def check_writable(env: DistEnv, job: Path, spec_path: str) -> None:
+    """Create the job dir and write a probe file in it, or raise SpecError naming the fix. Collective.
+
+    The first save comes checkpoint.everySteps steps in: an unwritable root found there would
+    throw all of them away. Every node's local rank 0 checks, since every rank writes its own
+    files into the checkpoint and a node may not share rank 0's filesystem; the verdicts are
+    gathered so all ranks raise together instead of the healthy ones hanging in a collective.
+    """
+    problem = None
+    if env.local_rank == 0:
+        probe = job / f".write-probe-rank-{env.rank:05d}"
+        try:
+            job.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            problem = e.strerror or str(e)
+            if e.filename and Path(e.filename) != job:
+                problem += f": {e.filename}"
+    problems = [p for p in all_gather_objects(problem) if p]
+    if not problems:
+        return
+    env_dir = os.environ.get(ENV_CHECKPOINT_DIR)
+    if env_dir:
+        where = (f"their root is ${ENV_CHECKPOINT_DIR} ({env_dir}), which wins over spec.checkpoint.path. Point "
+                 f"{ENV_CHECKPOINT_DIR} at a writable directory, or unset it to use spec.checkpoint.path; in a "
+                 "cluster it is the checkpoint volume's mount: the claim (spec.checkpoint.claimName) must be "
+                 "writable by the pod")
+    else:
+        where = (f"their root is spec.checkpoint.path ({spec_path}; ${ENV_CHECKPOINT_DIR} is unset). Set "
+                 f"spec.checkpoint.path to a writable directory, or run with {ENV_CHECKPOINT_DIR}=DIR "
+                 f"(e.g. {ENV_CHECKPOINT_DIR}=.gem/checkpoints, as examples/quickstart.yaml says)")
+    raise SpecError(f"spec.checkpoint.path: cannot write checkpoints under {job} ({problems[0]}): {where}")
 
 
 def step_dir_name(step: int) -> str:

@@ -1,6 +1,7 @@
 """The training loop shared by `gem train` and `gem distill`.
 
     env = init_distributed()                     # torchrun's world, or a world of one
+    checkpoint root writable?                    # else SpecError (exit 2) now, not at the first save
     parallel = setup_parallel(model, spec, env)  # parallel plan (logged with its reason), groups, parallelized model
     engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec and plan, mpu)
         # ep / sparse_shard: expert and embedding-row shards stay out of DeepSpeed, with their own AdamW
@@ -209,6 +210,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to training.steps and return the final report (identical on every rank)."""
+        # before the (slow) setup: an unwritable checkpoint root would otherwise surface at the first save
+        checkpoint.check_writable(self.env, self.job_dir, self.spec.checkpoint.path)
         self._setup()
         try:
             state = self._resume()

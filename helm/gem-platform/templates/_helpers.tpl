@@ -57,12 +57,27 @@ app.kubernetes.io/part-of: gem-platform
 {{- printf "%s:%s" .Values.trainer.image.repository (default .Chart.AppVersion .Values.trainer.image.tag) -}}
 {{- end -}}
 
-{{/* Namespaces that get a Role (namespaced RBAC) or a LocalQueue: watchNamespaces, else the release's. */}}
-{{- define "gem-platform.targetNamespaces" -}}
+{{/*
+Namespaces that get the Kueue LocalQueue: every served namespace (watchNamespaces). An operator
+serving all namespaces labels jobs everywhere, but the chart cannot create a queue in namespaces
+it does not know: kueue.localQueueNamespaces, else the release namespace.
+*/}}
+{{- define "gem-platform.localQueueNamespaces" -}}
 {{- if .Values.watchNamespaces -}}
 {{- toJson (uniq .Values.watchNamespaces) -}}
+{{- else if .Values.kueue.localQueueNamespaces -}}
+{{- toJson (uniq .Values.kueue.localQueueNamespaces) -}}
 {{- else -}}
 {{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where NOTES run the sample: a served namespace; with Kueue one that has the LocalQueue, so it is admitted. */}}
+{{- define "gem-platform.sampleNamespace" -}}
+{{- if or .Values.watchNamespaces (and .Values.kueue.enabled .Values.kueue.clusterQueue) -}}
+{{- first (include "gem-platform.localQueueNamespaces" . | fromJsonArray) -}}
+{{- else -}}
+default
 {{- end -}}
 {{- end -}}
 
