@@ -57,12 +57,14 @@ def train_fm(data: dict, steps: int, cache: Path) -> str:
     from gem.api.types import SyntheticDataSpec
     from gem.data.synthetic import SyntheticWorld
 
-    probe = SyntheticWorld(SyntheticDataSpec.model_validate(data)).sample(256, split=0)  # the world's fingerprint
+    world = SyntheticWorld(SyntheticDataSpec.model_validate(data))
+    probe = world.sample(256, split=0)  # the world's fingerprint
     key = hashlib.sha1(json.dumps([data, steps, FM_DATA_FACTOR, FM_SPLIT]).encode() + probe.p_click.tobytes()
                        + probe.seq_ad_id.tobytes() + code_fingerprint())  # new model code: a new FM
     out = cache / key.hexdigest()[:12] / "fm"
     if not (out / "model.pt").is_file():
-        train(data, steps, out, split=FM_SPLIT, num_examples=FM_DATA_FACTOR * data["numTrainExamples"])
+        traffic = world.sample(FM_DATA_FACTOR * data["numTrainExamples"], split=FM_SPLIT)
+        train(data, traffic, steps, out)
     return str(out)
 
 
@@ -97,8 +99,8 @@ def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: flo
     _, embs = scorer.score(train, rows, train.ad_id[rows])
     seg = dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
 
-    def segment_of(u: int) -> int:
-        return seg.get(u, u % num_segments)
+    def segment_of(u: int) -> int | None:
+        return seg.get(u)  # as gem.solaris.service: a user the segmentation never saw has no segment
 
     def campaign_of(a: int) -> int:
         return int(world.ad_campaign[a])

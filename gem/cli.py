@@ -161,17 +161,31 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
     return 0
 
 
+def _foundation_model(checkpoint_dir: str) -> Any:
+    """The GEM model of a GEMTraining checkpoint; a student's checkpoint is a config error naming --checkpoint."""
+    from gem.train import checkpoint
+
+    try:
+        saved = checkpoint.read_manifest(checkpoint_dir)
+    except OSError:
+        saved = None  # not a checkpoint at all: _load_checkpoint_model says so
+    if isinstance(saved, dict) and saved.get("kind") == "LoopFMDistill":
+        method = ((saved.get("spec") or {}).get("distillation") or {}).get("method", "kd")
+        raise ConfigError(f"--checkpoint {checkpoint_dir} holds a LoopFMDistill student (distillation.method {method}), "
+                          "not a foundation model: Solaris precomputes GEM values; pass a GEMTraining's "
+                          "checkpoint (<checkpoint.path>/<namespace>/<name>/step-NNNNNNNN), e.g. the teacher's")
+    return _load_checkpoint_model(checkpoint_dir)
+
+
 def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
     import asyncio
 
     from gem.loopfm.logging import model_version_of
-    from gem.solaris.service import build_service
-    from gem.train import checkpoint
+    from gem.solaris.service import build_service, require_synthetic_world
 
-    try:
-        model, _ = checkpoint.load_model(args.checkpoint)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from e
+    with _spec_errors_as_config_errors():  # spec.data not one synthetic world: exit 2 before loading a model
+        require_synthetic_world(manifest.spec.data)
+    model = _foundation_model(args.checkpoint)
     service = build_service(model, manifest, ttl_s=args.ttl, version=model_version_of(args.checkpoint))
 
     async def serve() -> None:

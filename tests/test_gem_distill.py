@@ -74,11 +74,12 @@ def test_distill_from_a_gemtraining_and_from_mlflow(tmp_path, monkeypatch):
     assert report2["mlflowRunId"] and report2["mlflowRunId"] != teacher_report["mlflowRunId"]
 
 
-def test_distill_without_a_teacher_checkpoint_fails_clearly(tmp_path):
+def test_distill_without_a_teacher_checkpoint_is_a_config_error(tmp_path, capsys):
     path = distill_manifest(tmp_path, "orphan", {"gemTraining": "never-trained"})
-    assert cli.main(["distill", "--config", str(path)]) == 1
+    assert cli.main(["distill", "--config", str(path)]) == 2  # the spec's fault: exit 2, no traceback
     error = json.loads((tmp_path / "termination-log").read_text())["error"]
-    assert error.startswith("FileNotFoundError: teacher.gemTraining 'never-trained'")
+    assert error.startswith("ConfigError: spec.teacher.gemTraining 'never-trained': no complete checkpoint")
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_kd_loss_mixes_labels_and_soft_teacher_targets():

@@ -104,3 +104,32 @@ def test_history_representation_is_candidate_independent_and_point_in_time():
     # embed_examples without logits skips the FM's forward and returns the same rows
     rows, logits = embed_examples(fm, ex, kind="history", logits=False)
     assert logits == {} and np.allclose(rows, emb.numpy())
+
+
+def test_any_int64_user_id_point_in_time(tmp_path):
+    """Hashed user ids are int64 (docs/data.md): negative and 64-bit ids index and look up like small ones."""
+    rng = np.random.default_rng(1)
+    ids = np.array([-(2**63), -5, 0, 7, 2**31, 2**40 + 3, 2**63 - 1], np.int64)
+    n = 2000
+    users, ts = rng.choice(ids, n), rng.integers(1_700_000_000, 1_700_050_000, n)
+    mem = EmbeddingMemory(tmp_path)
+    for lo in range(0, n, 600):
+        sl = slice(lo, lo + 600)
+        mem.append(users[sl], ts[sl], "v", ts[sl, None].astype(np.float32) * np.ones((1, 2), np.float32))
+    q_users = rng.choice(np.r_[ids, [-4, 1, 2**31 - 1, 2**62]], 400)  # some ids the memory never saw
+    q_ts = rng.integers(1_700_000_000, 1_700_050_000, 400)
+    for max_age in (None, 10_000):
+        emb, out_ts, valid = mem.lookup(q_users, q_ts, k=4, max_age_s=max_age)
+        for i in range(400):
+            mine = (users == q_users[i]) & (ts < q_ts[i]) & (max_age is None or ts >= q_ts[i] - (max_age or 0))
+            assert out_ts[i][valid[i]].tolist() == np.sort(ts[mine])[::-1][:4].tolist()
+            assert np.allclose(emb[i][valid[i], 0], out_ts[i][valid[i]].astype(np.float32))
+
+
+def test_drop_version_removes_only_that_version(tmp_path):
+    mem = EmbeddingMemory(tmp_path)
+    mem.append([1, 2], [10, 20], "a", np.ones((2, 2)))
+    mem.append([1], [30], "b", np.ones((1, 2)))
+    mem.append([3], [40], "a", np.ones((1, 2)))
+    assert mem.drop_version("a") == 3
+    assert mem.model_versions() == ["b"] and len(mem.shards()) == 1 and len(mem.index()) == 1

@@ -148,6 +148,11 @@ def test_gem_distill_loopfm_end_to_end(tmp_path, trainer_env):
     assert isinstance(model, LoopFMStudent) and manifest.spec.distillation.method == "loopfm"
     assert model._memory is not None and len(model._memory) == 2000
     assert (model.beta, model.memory_k) == (0.25, 4)  # from the manifest's distillation fields
+    # the trainer saved the memory version in gem.yaml, and the job memory is marked complete
+    from gem.loopfm.task import MEMORY_VERSION_ANNOTATION
+
+    assert manifest.metadata.annotations[MEMORY_VERSION_ANNOTATION] == memory.model_versions()[0]
+    assert len(list(memory.root.glob("logged-*.json"))) == 1
     # the generic loader (`gem eval`, Solaris) rebuilds the same student, memory attached
     from gem.train.checkpoint import load_model
 

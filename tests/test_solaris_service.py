@@ -3,7 +3,9 @@
 import asyncio
 
 import aiohttp
+import yaml
 
+from gem import cli
 from gem.api import parse_object
 from gem.model import build_model
 from gem.solaris.service import build_service
@@ -45,7 +47,7 @@ def test_service_precomputes_and_answers_over_http():
                 assert body["version"] == "test-v1" and body["tierIndex"] == 0
                 async with http.get(f"{base}/lookup", params={"user": 10_000_000, "ad": 3}) as r:
                     body = await r.json()
-                assert body["tier"] in ("segment", "default")  # an unseen user still gets a labelled answer
+                assert body["tier"] == "default"  # an unseen user (no segment, no embedding) still gets an answer
                 async with http.get(f"{base}/lookup", params={"user": "x"}) as r:
                     assert r.status == 400
                 async with http.get(f"{base}/metrics") as r:
@@ -64,3 +66,55 @@ def test_building_a_service_leaves_autograd_alone():
 
     make_service([0.0])
     assert torch.is_grad_enabled()
+
+
+def test_a_user_never_seen_in_training_has_no_segment():
+    """Not `user % num_segments`: an arbitrary k-means segment's mean is not the new user's (review r3)."""
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    service.compute(service.pending_pairs(now[0]), now[0])
+    known = int(service.context.user_id[0])
+    assert service.lookup_.segment_of(known) is not None
+    new_users = [10**9 + k for k in range(8)]
+    assert all(service.lookup_.segment_of(u) is None for u in new_users)
+    tiers = {service.lookup(u, a, now=now[0], observe=False).tier for u in new_users for a in range(40)}
+    assert tiers == {"default"}
+    # a segment x ad mean exists for some ad, yet a new user does not get it
+    assert any(service.store.segment_ad(service.lookup_.segment_of(known), a, now=now[0]) is not None
+               for a in range(40))
+
+
+def _write(path, obj):
+    path.write_text(yaml.safe_dump(obj))
+    return str(path)
+
+
+def test_serve_precompute_refuses_data_it_would_ignore(tmp_path, capsys):
+    ckpt = tmp_path / "never-read"
+    parquet = {**MANIFEST, "spec": {**MANIFEST["spec"], "data": {"source": "parquet", "path": str(tmp_path)}}}
+    mixed = {**MANIFEST, "spec": {**MANIFEST["spec"], "data": {"sources": [
+        {"name": "a", "synthetic": {"numUsers": 60}, "evaluate": True}]}}}
+    assert cli.main(["serve-precompute", "--config", _write(tmp_path / "p.yaml", parquet),
+                     "--checkpoint", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.data.source is 'parquet'" in err and "data.source: synthetic" in err
+    assert cli.main(["serve-precompute", "--config", _write(tmp_path / "m.yaml", mixed),
+                     "--checkpoint", str(ckpt)]) == 2
+    assert "spec.data.sources" in capsys.readouterr().err
+
+
+def test_serve_precompute_refuses_a_student_checkpoint(tmp_path, capsys):
+    student = tmp_path / "student" / "step-00000008"
+    student.mkdir(parents=True)
+    _write(student / "gem.yaml", {
+        "apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "lf"},
+        "spec": {"teacher": {"gemTraining": "fm"}, "distillation": {"method": "loopfm"}}})
+    (student / "model.pt").write_bytes(b"")
+    config = _write(tmp_path / "fm.yaml", MANIFEST)
+    assert cli.main(["serve-precompute", "--config", config, "--checkpoint", str(student)]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {student} holds a LoopFMDistill student (distillation.method loopfm)" in err
+    assert "GEMTraining's checkpoint" in err
+    assert cli.main(["serve-precompute", "--config", config, "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "--checkpoint" in capsys.readouterr().err

@@ -72,10 +72,10 @@ def test_every_tier_reachable_and_labelled():
     # every tier is labelled, in order, and the result says so in JSON
     assert TIERS == ("exact", "campaign", "segment", "neighbors", "default")
     assert got["exact"].to_json()["tierIndex"] == 0 and r.to_json()["tier"] == "neighbors"
-    # expired: everything falls back to the learned default
-    assert look.lookup(1, 3, now=5000).tier == "default"
     assert look.lookup(1, 3, now=10, tiers=("exact",)).tier == "exact"
     assert look.lookup(9, 99, now=10, tiers=("exact", "campaign")) is None
+    # expired (the store's clock only moves forward): everything falls back to the default
+    assert look.lookup(1, 3, now=5000).tier == "default"
 
 
 def test_predictor_recent_then_segment_popular():
@@ -89,3 +89,78 @@ def test_predictor_recent_then_segment_popular():
     assert pairs[2] == (1, 50)
     assert [a for u, a in pairs if u == 7] == [50, 51]  # a new user gets its segment's popular ads
     assert set(p.active_users(now=5.0, window_s=2.0)) == {3, 5}
+
+
+def test_aggregates_are_over_fresh_entries_only():
+    """Expired values leave every mean; a fresh put does not bring them back (review r1)."""
+    s = PrecomputeStore(ttl_s=10, version="v")
+    look = HierarchicalLookup(s, campaign_of=lambda a: 7, segment_of=lambda u: 0)
+    s.put(1, 100, 7, 0, [5.0, 5.0], now=0)  # expires at t=10
+    s.put(1, 101, 7, 0, [-5.0, -5.0], now=9)  # the only value fresh at t=12
+    r = look.lookup(1, 102, now=12)
+    assert r.tier == "campaign" and r.value.tolist() == [-5.0, -5.0]
+    assert s.segment_ad(0, 100, now=12) is None and s.ad_default(100, now=12) is None
+    assert s.global_default(now=12).tolist() == [-5.0, -5.0]
+
+
+def test_a_pair_computed_again_replaces_its_value():
+    s = PrecomputeStore(ttl_s=10, version="v")
+    for t in range(0, 100, 10):  # one pair re-precomputed every TTL, with a new value each time
+        s.put(1, 100, 7, 0, [float(t), 0.0], now=t)
+    s.put(1, 101, 7, 0, [-90.0, 0.0], now=95)
+    assert s.user_campaign(1, 7, now=96).tolist() == [0.0, 0.0]  # (90 - 90) / 2: each pair once
+    assert s.segment_ad(0, 100, now=96).tolist() == [90.0, 0.0]
+    s.put(1, 101, 7, 0, [10.0, 0.0], now=96)  # replaced while still fresh
+    assert s.user_campaign(1, 7, now=97).tolist() == [50.0, 0.0]
+    assert s.stats()["pairs"] == 2
+
+
+def test_max_entries_is_enforced_oldest_first():
+    s = PrecomputeStore(ttl_s=1e9, version="v", max_entries=3)
+    for u in range(10):
+        assert s.put(u, 1, 0, 0, [float(u), 0.0], now=float(u))
+    assert s.stats()["pairs"] == 3
+    assert [u for u in range(10) if s.get(u, 1, now=20) is not None] == [7, 8, 9]  # the oldest went first
+    assert s.ad_default(1, now=20)[0] == pytest.approx(8.0)  # the evicted left the means too
+    assert s.user_campaign(0, 0, now=20) is None and s.user_campaign(9, 0, now=20)[0] == 9.0
+
+
+def test_aggregates_match_brute_force_over_held_pairs():
+    rng = np.random.default_rng(0)
+    ttl = 50.0
+    s = PrecomputeStore(ttl_s=ttl, version="v")
+    latest: dict[tuple[int, int], tuple[float, np.ndarray]] = {}
+    now = 0.0
+    for _ in range(3000):
+        now += float(rng.exponential(1.0))
+        u, a = int(rng.integers(0, 12)), int(rng.integers(0, 30))
+        v = rng.normal(size=2).astype(np.float32)
+        s.put(u, a, a // 10, u % 3, v, now=now)
+        latest[(u, a)] = (now, v)
+        if rng.random() < 0.05:
+            fresh = {k: val for k, (t, val) in latest.items() if t + ttl > now}
+            for u2, c in ((int(rng.integers(0, 12)), int(rng.integers(0, 3))) for _ in range(5)):
+                want = [val for (uu, aa), val in fresh.items() if uu == u2 and aa // 10 == c]
+                got = s.user_campaign(u2, c, now=now)
+                assert (got is None) == (not want)
+                if want:
+                    assert np.allclose(got, np.mean(want, 0), atol=1e-5)
+            seg, ad = int(rng.integers(0, 3)), int(rng.integers(0, 30))
+            want = [val for (uu, aa), val in fresh.items() if uu % 3 == seg and aa == ad]
+            got = s.segment_ad(seg, ad, now=now)
+            assert (got is None) == (not want) and (not want or np.allclose(got, np.mean(want, 0), atol=1e-5))
+            assert np.allclose(s.global_default(now=now), np.mean(list(fresh.values()), 0), atol=1e-5)
+            assert s.stats()["pairs"] == len(fresh)
+
+
+def test_a_user_without_a_segment_skips_the_segment_tier():
+    s = PrecomputeStore(ttl_s=1000, version="v")
+    look = HierarchicalLookup(s, campaign_of=campaign_of, segment_of=lambda u: None if u >= 100 else u % 2)
+    s.put(3, 25, 2, 1, [2.0, 0.0], now=0, user_embedding=np.array([1.0, 0.0]))
+    s.put(5, 25, 2, 1, [4.0, 0.0], now=0)
+    assert look.lookup(7, 25, now=1).tier == "segment"  # a known user of segment 1
+    r = look.lookup(100, 25, now=1)  # never segmented: not segment 0's or 1's mean
+    assert r.tier == "default" and r.value[0] == pytest.approx(3.0)
+    s.put(100, 3, 0, None, [1.0, 0.0], now=2, user_embedding=np.array([1.0, 0.0]))  # puts without a segment
+    assert s.stats()["segment_ad"] == 1
+    assert look.lookup(100, 25, now=3).tier == "neighbors"  # with an embedding: its neighbours answer

@@ -449,7 +449,7 @@ class DistillationSpec(ApiModel):
         16, ge=1, le=4096, description="loopfm: the user's most recent foundation-model embeddings the student reads."
     )
     memory_retention_seconds: int | None = Field(
-        None, ge=1, description="loopfm: embeddings older than this are dropped from the memory; empty keeps all."
+        None, ge=1, description="loopfm: the student reads only embeddings logged within this many seconds before the request; empty reads all."
     )
 
 

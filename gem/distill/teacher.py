@@ -7,6 +7,9 @@ named in one of three ways:
                            under <checkpoint.path>/<namespace>/<name>/ (the jobs share the volume)
   teacher.mlflowModelUri:  MLflow artifacts (e.g. runs:/<id>/checkpoint, models:/gem/3),
                            downloaded and loaded the same way
+
+A teacher that is not there, or is not a GEM model, is a SpecError naming spec.teacher.<field>:
+`gem distill` reports it as a config error (exit 2).
 """
 
 from __future__ import annotations
@@ -20,19 +23,20 @@ from typing import Any
 from torch import nn
 
 from gem.api.types import LoopFMDistillSpec
+from gem.data.errors import SpecError
 from gem.train import checkpoint
 
 log = logging.getLogger("gem.distill")
 
 
-def _checkpoint_in(path: Path, what: str) -> Path:
+def _checkpoint_in(path: Path, what: str, fix: str) -> Path:
     """path itself if it is a checkpoint, else its latest complete checkpoint."""
     if (path / checkpoint.MODEL_FILE).is_file():
         return path
     for candidate in (path / "checkpoint", checkpoint.latest_complete(path)):
         if candidate is not None and (candidate / checkpoint.MODEL_FILE).is_file():
             return candidate
-    raise FileNotFoundError(f"{what}: no GEM checkpoint (gem.yaml + model.pt) at {path}")
+    raise SpecError(f"{what}: no GEM checkpoint (gem.yaml + model.pt) at {path}: {fix}")
 
 
 def _download(uri: str, tracking_uri: str | None) -> Path:
@@ -47,17 +51,20 @@ def _download(uri: str, tracking_uri: str | None) -> Path:
 def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
     teacher = spec.teacher
     if teacher.checkpoint:
-        return _checkpoint_in(Path(teacher.checkpoint), "teacher.checkpoint")
+        return _checkpoint_in(Path(teacher.checkpoint), "spec.teacher.checkpoint",
+                              "set it to a checkpoint step directory or its job directory")
     if teacher.gem_training:
         job = checkpoint.job_dir(checkpoint.checkpoint_root(spec.checkpoint.path), namespace, teacher.gem_training)
         latest = checkpoint.latest_complete(job)
         if latest is None:
-            raise FileNotFoundError(
-                f"teacher.gemTraining {teacher.gem_training!r}: no complete checkpoint under {job} "
-                "(has that GEMTraining finished, and do both jobs mount the same checkpoint volume?)")
+            raise SpecError(
+                f"spec.teacher.gemTraining {teacher.gem_training!r}: no complete checkpoint under {job}: train "
+                "that GEMTraining first, mount the same checkpoint volume in both jobs (spec.checkpoint), "
+                "or name the teacher by spec.teacher.checkpoint / mlflowModelUri")
         return latest
     tracking_uri = spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return _checkpoint_in(_download(teacher.mlflow_model_uri, tracking_uri), "teacher.mlflowModelUri")
+    return _checkpoint_in(_download(teacher.mlflow_model_uri, tracking_uri), "spec.teacher.mlflowModelUri",
+                          "point it at the artifacts of a GEM checkpoint (e.g. runs:/<id>/checkpoint)")
 
 
 def load_teacher(spec: LoopFMDistillSpec, namespace: str) -> tuple[nn.Module, Any, Path]:
@@ -65,7 +72,8 @@ def load_teacher(spec: LoopFMDistillSpec, namespace: str) -> tuple[nn.Module, An
     path = resolve_teacher(spec, namespace)
     model, manifest = checkpoint.load_model(path)
     if manifest.kind != "GEMTraining":
-        raise ValueError(f"teacher checkpoint {path} holds a {manifest.kind}, not a GEM model (GEMTraining)")
+        raise SpecError(f"spec.teacher: checkpoint {path} holds a {manifest.kind} student, not a GEM model: "
+                        "name a GEMTraining's checkpoint as the teacher")
     for p in model.parameters():
         p.requires_grad_(False)
     log.info("teacher: %s (preset %s)", path, manifest.spec.model.preset)

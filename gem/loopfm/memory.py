@@ -2,6 +2,7 @@
 
     append(user_ids, timestamps, model_version, embeddings)   # one new shard per call
     apply_retention(now, max_age_s)                            # drop rows older than now - max_age_s
+    drop_version(model_version)                                # drop one model version's rows
     lookup(user_ids, as_of, k[, max_age_s]) -> (emb [N, k, D], ts [N, k], valid [N, k])
 
 Layout: <root>/shard-000000.parquet, ... each with columns user_id int64, timestamp int64,
@@ -11,8 +12,10 @@ rewrites only the shards that hold expired rows (atomic rename).
 Point-in-time: lookup returns, for each query (user u, time t), the k most recent embeddings of u
 with timestamp < t (strictly before), most recent first. An embedding logged at the example's own
 request time (computed from that very impression) is never returned for it, so no training example
-sees the present or the future. The lookup is vectorised: rows are sorted once by the packed key
-(user << 32 | timestamp) and each query is two searchsorted calls.
+sees the present or the future. User ids are any int64 (hashed ids may be negative or use all 64
+bits): the index maps them to dense codes (np.unique), so the lookup stays vectorised: rows are
+sorted once by the packed key (code << 32 | timestamp) and each query is one searchsorted into the
+user codes and two into the keys.
 """
 
 from __future__ import annotations
@@ -27,26 +30,42 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-_TS_BITS = 32  # timestamps are unix seconds < 2^32 (year 2106); user ids < 2^31
+_TS_BITS = 32  # timestamps are unix seconds < 2^32 (year 2106); user codes < 2^31 (distinct users)
 
 
-def _pack(users: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    users = np.asarray(users, dtype=np.int64)
+def _check_timestamps(ts: np.ndarray) -> np.ndarray:
     ts = np.asarray(ts, dtype=np.int64)
-    if users.size and (users.min() < 0 or users.max() >= (1 << 31)):
-        raise ValueError("user ids must be in [0, 2^31)")
     if ts.size and (ts.min() < 0 or ts.max() >= (1 << _TS_BITS)):
         raise ValueError("timestamps must be unix seconds in [0, 2^32)")
-    return (users << _TS_BITS) | ts
+    return ts
+
+
+def _pack(codes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """codes: dense user codes in [0, 2^31) (positions in MemoryIndex.users), never raw user ids."""
+    return (np.asarray(codes, dtype=np.int64) << _TS_BITS) | _check_timestamps(ts)
 
 
 @dataclass
 class MemoryIndex:
     """All rows of one model version, sorted by (user, timestamp): what lookups read."""
 
-    keys: np.ndarray  # int64 [M], user << 32 | timestamp, ascending
+    keys: np.ndarray  # int64 [M], code << 32 | timestamp, ascending (code: the user's position in `users`)
     timestamps: np.ndarray  # int64 [M]
     embeddings: np.ndarray  # float32 [M, D]
+    users: np.ndarray  # int64 [U], the distinct user ids, ascending
+
+    @classmethod
+    def build(cls, user_ids: np.ndarray, timestamps: np.ndarray, embeddings: np.ndarray) -> "MemoryIndex":
+        """Index rows of any int64 user ids (unsorted)."""
+        users, codes = np.unique(np.asarray(user_ids, dtype=np.int64), return_inverse=True)
+        timestamps = _check_timestamps(timestamps)
+        keys = _pack(codes.reshape(-1), timestamps)
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order], timestamps[order], embeddings[order], users)
+
+    @classmethod
+    def empty(cls) -> "MemoryIndex":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.float32), np.zeros(0, np.int64))
 
     @property
     def dim(self) -> int:
@@ -65,10 +84,14 @@ class MemoryIndex:
         user_ids = np.asarray(user_ids, dtype=np.int64)
         as_of = np.asarray(as_of, dtype=np.int64)
         n = user_ids.shape[0]
-        end = np.searchsorted(self.keys, _pack(user_ids, as_of), side="left")  # first row >= (u, t)
+        code = np.searchsorted(self.users, user_ids)  # [N] the user's code, if the memory knows them
+        known = code < self.users.shape[0]
+        known[known] = self.users[code[known]] == user_ids[known]
+        code = np.where(known, code, 0)  # unknown users: any code, their rows are masked below
+        end = np.searchsorted(self.keys, _pack(code, as_of), side="left")  # first row >= (u, t)
         oldest = np.zeros_like(as_of) if max_age_s is None else np.maximum(as_of - int(max_age_s), 0)
-        start = np.searchsorted(self.keys, _pack(user_ids, oldest), side="left")  # u's first row in the window
-        avail = end - start  # [N] rows of u strictly before t
+        start = np.searchsorted(self.keys, _pack(code, oldest), side="left")  # u's first row in the window
+        avail = np.where(known, end - start, 0)  # [N] rows of u strictly before t
         slot = np.arange(k)  # [k]
         valid = slot[None, :] < avail[:, None]  # [N, k]
         rows = np.where(valid, end[:, None] - 1 - slot[None, :], 0)  # [N, k], most recent first
@@ -105,7 +128,7 @@ class EmbeddingMemory:
         embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         if not (user_ids.shape[0] == timestamps.shape[0] == embeddings.shape[0]) or embeddings.ndim != 2:
             raise ValueError("append: user_ids [N], timestamps [N] and embeddings [N, D] must agree")
-        _pack(user_ids, timestamps)  # validates ranges
+        _check_timestamps(timestamps)  # user ids: any int64
         dim = embeddings.shape[1]
         table = pa.table({
             "user_id": pa.array(user_ids),
@@ -142,6 +165,25 @@ class EmbeddingMemory:
             self._cache.clear()
         return dropped
 
+    def drop_version(self, model_version: str) -> int:
+        """Drop every row of one model version (e.g. a partial log being replaced); returns how many."""
+        dropped = 0
+        with self._lock:
+            for shard in self.shards():
+                table = pq.read_table(shard)
+                keep = pc.not_equal(table.column("model_version"), model_version).to_numpy(zero_copy_only=False)
+                if keep.all():
+                    continue
+                dropped += int((~keep).sum())
+                if not keep.any():
+                    shard.unlink()
+                    continue
+                tmp = shard.with_suffix(".tmp")
+                pq.write_table(table.filter(pa.array(keep)), tmp)
+                os.replace(tmp, shard)
+            self._cache.clear()
+        return dropped
+
     # ------------------------------------------------------------------ reading
 
     def model_versions(self) -> list[str]:
@@ -165,16 +207,12 @@ class EmbeddingMemory:
                                  "index one model_version")
             table = pa.concat_tables(tables) if tables else None
             if table is None:
-                index = MemoryIndex(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
+                index = MemoryIndex.empty()
             else:
-                users = table.column("user_id").to_numpy()
-                ts = table.column("timestamp").to_numpy()
                 emb_col = table.column("embedding").combine_chunks()
                 dim = emb_col.type.list_size
                 emb = emb_col.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
-                keys = _pack(users, ts)
-                order = np.argsort(keys, kind="stable")
-                index = MemoryIndex(keys[order], ts[order], emb[order])
+                index = MemoryIndex.build(table.column("user_id").to_numpy(), table.column("timestamp").to_numpy(), emb)
             self._cache[model_version] = index
             return index
 

@@ -32,6 +32,7 @@ and takes the aux head's gradient, scaled by β, like h).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ from gem.data.batch import Batch
 from gem.distill.student import CAMPAIGN_BUCKETS, ITEM_BUCKETS, NUM_SURFACE_BUCKETS, USER_BUCKETS, StudentModel
 from gem.loopfm.memory import MemoryIndex
 from gem.modules.embeddings import hash_ids
+
+log = logging.getLogger("gem.loopfm")
 
 _DEFAULTS = DistillationSpec()
 TRAINING_ONLY = ("aux_heads.", "adapter.")  # parameter prefixes that are never served
@@ -199,10 +202,10 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
                         *, map_location: str | torch.device = "cpu") -> tuple[LoopFMStudent, object]:
     """Rebuild a LoopFM student from its checkpoint (gem.yaml + model.pt) and attach its memory.
 
-    memory_dir defaults to the `memory/` directory next to the checkpoint (the job directory's).
+    memory_dir defaults to the `memory/` directory next to the checkpoint (the job directory's). The
+    memory version is the one the student was trained with (recorded in its gem.yaml by the task).
     """
     from gem.api import parse_object
-    from gem.loopfm.memory import EmbeddingMemory
     from gem.train.checkpoint import MODEL_FILE, read_manifest
 
     ckpt = Path(ckpt)
@@ -215,10 +218,31 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
     model.load_state_dict(state)
     memory_dir = Path(memory_dir) if memory_dir else ckpt.parent / "memory"
     if memory_dir.is_dir():
-        memory = EmbeddingMemory(memory_dir)
-        # A job's memory may also hold another teacher version's rows, or another representation's of a
-        # different width: read the (last, in sorted order) version of the width the student was trained on.
-        versions = memory.model_versions()
-        fits = [v for v in versions if memory.index(v).dim == memory_dim]
-        model.attach_memory(memory.index(fits[-1] if fits else None) if len(versions) > 1 else memory.index())
+        model.attach_memory(_trained_memory(memory_dir, manifest, memory_dim, ckpt))
     return model.eval(), manifest
+
+
+def _trained_memory(memory_dir: Path, manifest, memory_dim: int, ckpt: Path) -> MemoryIndex:
+    """The index of the memory version the checkpoint records; checkpoints from before that record
+    was kept get the old guess (the last version, in sorted order, of the student's width), with a warning."""
+    from gem.loopfm.memory import EmbeddingMemory
+    from gem.loopfm.task import MEMORY_VERSION_ANNOTATION
+
+    memory = EmbeddingMemory(memory_dir)
+    versions = memory.model_versions()
+    recorded = manifest.metadata.annotations.get(MEMORY_VERSION_ANNOTATION)
+    if recorded is not None:
+        if recorded not in versions:
+            raise ValueError(f"{ckpt} was trained on memory version {recorded!r}, which {memory_dir} no longer "
+                             f"holds (it has {versions}): pass the memory_dir it was trained with")
+        return memory.index(recorded)
+    if len(versions) <= 1:
+        return memory.index()
+    # A job's memory may also hold another teacher version's rows, or another representation's of a
+    # different width.
+    fits = [v for v in versions if memory.index(v).dim == memory_dim]
+    guess = fits[-1] if fits else None
+    log.warning("%s does not record its memory version (%s annotation, written since it was added); %s holds "
+                "%s: reading %r, the last of the student's width, which may not be the one it was trained on",
+                ckpt, MEMORY_VERSION_ANNOTATION, memory_dir, versions, guess)
+    return memory.index(guess)

@@ -1,9 +1,13 @@
 """`gem distill` with distillation.method: loopfm, as a trainer Task.
 
-Before training, rank 0 runs the teacher over the job's synthetic world (train and eval
-impressions, in request-time order) and logs its user representation into the job's embedding
-memory, <checkpoint root>/<namespace>/<name>/memory/ (skipped when the memory already holds this
-teacher version). The student reads the memory point-in-time in its forward pass, so training,
+Before training, rank 0 runs the teacher over the job's data (train and eval impressions, in
+request-time order) and logs its user representation into the job's embedding memory,
+<checkpoint root>/<namespace>/<name>/memory/. Only once both splits are logged does it write a
+completion marker keyed by (teacher version, hash of spec.data); without a matching marker (a log
+cut short by preemption, or one made from another spec.data under the same job name) the
+version's rows are dropped and logged again. The memory version is recorded in the manifest the
+checkpoints carry (annotation MEMORY_VERSION_ANNOTATION), so a reloaded student reads the memory
+it was trained with. The student reads the memory point-in-time in its forward pass, so training,
 evaluation and serving see the same features.
 
 Per task (click on all impressions, conversion on clicked ones), α = distillation.alpha,
@@ -17,13 +21,16 @@ distillation.memoryK most recent embeddings, within distillation.memoryRetention
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gem.api.types import LoopFMDistill
+from gem.api.types import DataSpec, LoopFMDistill
 from gem.data import Batch
 from gem.distill.teacher import load_teacher
 from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, log_stream, logged_version
@@ -43,17 +50,70 @@ def memory_dir_of(manifest: LoopFMDistill) -> Path:
                               meta.namespace or "local", meta.name) / "memory"
 
 
+#: Where a LoopFM checkpoint's gem.yaml records the memory version its student was trained with.
+MEMORY_VERSION_ANNOTATION = "loopfm.gem.dev/memory-version"
+
+
+def data_spec_hash(data: DataSpec) -> str:
+    """A stable hash of spec.data: a memory logged from other data is not this job's memory."""
+    return hashlib.sha1(json.dumps(data.to_wire(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _marker_path(memory: EmbeddingMemory, version: str) -> Path:
+    return memory.root / f"logged-{hashlib.sha1(version.encode()).hexdigest()[:16]}.json"
+
+
+def logged_completely(memory: EmbeddingMemory, version: str, data_hash: str) -> bool:
+    """Whether every split of this data was logged under `version` (its completion marker matches)."""
+    try:
+        record = json.loads(_marker_path(memory, version).read_text())
+    except (OSError, ValueError):
+        return False
+    return record.get("modelVersion") == version and record.get("dataSpecHash") == data_hash
+
+
+def _mark_logged(memory: EmbeddingMemory, version: str, data_hash: str, rows: int) -> None:
+    path = _marker_path(memory, version)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"modelVersion": version, "dataSpecHash": data_hash, "rows": rows}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # the marker appears whole, after every shard
+
+
+def _log_memory(teacher: nn.Module, memory: EmbeddingMemory, version: str, data: DataSpec) -> None:
+    """Log the teacher over both splits of `data` unless that exact log is complete; replaces a partial one."""
+    data_hash = data_spec_hash(data)
+    if logged_completely(memory, version, data_hash):
+        return
+    _marker_path(memory, version).unlink(missing_ok=True)  # a crash from here on leaves it incomplete
+    stale = memory.drop_version(version)
+    if stale:
+        log.warning("loopfm memory: replacing %d rows of %s in %s (a log cut short, or logged from another "
+                    "spec.data)", stale, version, memory.root)
+    train, evaluation = load_splits(data)
+    rows = log_stream(teacher, [train, evaluation], memory, version, kind=LOGGED_KIND)
+    _mark_logged(memory, version, data_hash, rows)
+    log.info("loopfm memory: logged %d embeddings of %s into %s", rows, version, memory.root)
+
+
 def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill, *, is_main: bool = True
                  ) -> tuple[EmbeddingMemory, str]:
     """The job's memory with this teacher's embeddings logged (rank 0 writes, everyone waits)."""
     memory = EmbeddingMemory(memory_dir_of(manifest))
     version = logged_version(teacher_dir, LOGGED_KIND)
-    if is_main and version not in memory.model_versions():
-        train, evaluation = load_splits(manifest.spec.data)
-        rows = log_stream(teacher, [train, evaluation], memory, version, kind=LOGGED_KIND)
-        log.info("loopfm memory: logged %d embeddings of %s into %s", rows, version, memory.root)
+    if is_main:
+        _log_memory(teacher, memory, version, manifest.spec.data)
     barrier()
     return memory, version
+
+
+def with_memory_version(manifest: LoopFMDistill, version: str) -> LoopFMDistill:
+    """A copy of the manifest recording the memory version (what checkpoints save as gem.yaml)."""
+    recorded = manifest.model_copy(deep=True)
+    recorded.metadata.annotations[MEMORY_VERSION_ANNOTATION] = version
+    return recorded
 
 
 class LoopFMTask:
@@ -63,10 +123,10 @@ class LoopFMTask:
 
             is_main = not td.is_initialized() or td.get_rank() == 0
         spec = manifest.spec
-        self.manifest = manifest
         self.device = device
         self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
         self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
+        self.manifest = with_memory_version(manifest, self.model_version)  # the trainer saves this one
         self.teacher.to(device)
         self.memory_dim = UserRepresentation(self.teacher, LOGGED_KIND).dim
         self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)

@@ -1,12 +1,16 @@
 """Hierarchical lookup: the best value available for (user, ad), and which tier it came from.
 
     exact      the precomputed (user, ad) pair, fresh and of the live model version
-    campaign   the user's mean over precomputed ads of the same campaign (user x ad cluster)
-    segment    the user's segment's mean for this ad
+    campaign   the user's mean over fresh precomputed ads of the same campaign (user x ad cluster)
+    segment    the user's segment's mean for this ad; skipped for a user without a segment
+               (segment_of returns None: a user the segmentation never saw)
     neighbors  the mean over the k most similar users (cosine of FM user embeddings) holding a fresh
                exact entry for this ad
-    default    the ad's mean over every user computed so far, else the global mean (learned from
-               what was computed; never missing)
+    default    the ad's mean over every user's fresh pair, else the global mean over every fresh pair
+               (zeros while the store holds none; never missing)
+
+Every mean is over the entries the store holds now (see gem/solaris/store.py): expired values
+are out of it.
 
 Every result carries its tier (and the tier's index, TIER_INDEX, for a model feature), so the
 vertical model knows what it got. `lookup(..., tiers=...)` restricts the tiers tried, which the
@@ -43,7 +47,7 @@ class LookupResult:
 
 class HierarchicalLookup:
     def __init__(self, store: PrecomputeStore, *, campaign_of: Callable[[int], int],
-                 segment_of: Callable[[int], int], neighbors_k: int = 8, min_similarity: float = 0.0):
+                 segment_of: Callable[[int], int | None], neighbors_k: int = 8, min_similarity: float = 0.0):
         self.store = store
         self.campaign_of = campaign_of
         self.segment_of = segment_of
@@ -87,9 +91,9 @@ class HierarchicalLookup:
             elif tier == "neighbors":
                 value = self._neighbors(user, ad, now)
             else:
-                value = self.store.ad_default(ad)
+                value = self.store.ad_default(ad, now=now)
                 if value is None:
-                    value = self.store.global_default()
+                    value = self.store.global_default(now=now)
             if value is not None:
                 return LookupResult(np.asarray(value, np.float32), tier, version)
         return None

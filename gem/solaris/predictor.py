@@ -8,7 +8,8 @@ Two signals, both updated online from the request stream (`observe`):
                       campaigns of the user's segment contribute their most-requested ads
 
 `predict(users, per_user)` returns up to per_user ads per user: recent candidates first, then the
-popular ads of the user's segment that are not already in the list.
+popular ads of the user's segment that are not already in the list. Users without a segment
+(segment_of returns None: users the segmentation never saw) share one popularity pool.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 
 class RequestPredictor:
-    def __init__(self, *, segment_of: Callable[[int], int], campaign_of: Callable[[int], int],
+    def __init__(self, *, segment_of: Callable[[int], int | None], campaign_of: Callable[[int], int],
                  recent_per_user: int = 8, half_life_s: float = 6 * 3600.0, top_campaigns: int = 4,
                  ads_per_campaign: int = 2):
         self.segment_of = segment_of
@@ -30,7 +31,7 @@ class RequestPredictor:
         self.top_campaigns = top_campaigns
         self.ads_per_campaign = ads_per_campaign
         self._recent: dict[int, OrderedDict[int, float]] = defaultdict(OrderedDict)
-        self._campaign_score: dict[int, dict[int, float]] = defaultdict(dict)  # segment -> campaign -> score
+        self._campaign_score: dict[int | None, dict[int, float]] = defaultdict(dict)  # segment -> campaign -> score
         self._ad_score: dict[int, dict[int, float]] = defaultdict(dict)  # campaign -> ad -> score
         self._clock = 0.0  # decayed scores are stored relative to this time
         self.last_seen: dict[int, float] = {}
@@ -64,7 +65,7 @@ class RequestPredictor:
         for u, a, t in zip(users.tolist(), ads.tolist(), times.tolist()):
             self.observe(u, a, t)
 
-    def popular_ads(self, segment: int) -> list[int]:
+    def popular_ads(self, segment: int | None) -> list[int]:
         campaigns = self._campaign_score.get(segment, {})
         top = sorted(campaigns, key=campaigns.get, reverse=True)[: self.top_campaigns]
         out: list[int] = []
@@ -75,7 +76,7 @@ class RequestPredictor:
 
     def predict(self, users: list[int] | np.ndarray, per_user: int) -> list[tuple[int, int]]:
         pairs: list[tuple[int, int]] = []
-        popular_cache: dict[int, list[int]] = {}
+        popular_cache: dict[int | None, list[int]] = {}
         for u in (int(x) for x in users):
             chosen = list(reversed(self._recent.get(u, {})))[:per_user]  # most recent first
             if len(chosen) < per_user:

@@ -166,13 +166,33 @@ class SolarisService:
         return runner, bound
 
 
+def require_synthetic_world(data) -> None:
+    """Solaris serves the synthetic world of spec.data.synthetic only; any other source is a SpecError."""
+    from gem.api.types import DataSourceKind
+    from gem.data.errors import SpecError
+
+    if data.sources:
+        raise SpecError("spec.data.sources: Solaris (serve-precompute) serves one synthetic world and would ignore "
+                        "data.sources: remove data.sources and describe the world under data.synthetic "
+                        "(data.source: synthetic)")
+    if data.source != DataSourceKind.synthetic.value:
+        raise SpecError(f"spec.data.source is {data.source!r}: Solaris (serve-precompute) serves only the synthetic "
+                        "world (data.source: synthetic, settings under data.synthetic); serving from "
+                        f"{data.source} data is not supported yet")
+
+
 def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: int = 16, version: str = "v0",
                   clock: Callable[[], float] | None = None, warmup: bool = True, **kw) -> SolarisService:
     """A service over the synthetic world of `manifest.spec.data`: the train split is the history
-    (user states, predictor warm-up); the clock maps wall time onto the end of that history."""
+    (user states, predictor warm-up); the clock maps wall time onto the end of that history.
+
+    Raises SpecError when spec.data is not one synthetic world. Segments are k-means of the FM
+    user representations of the history's users; a user outside the history has no segment.
+    """
     from gem.data.synthetic import SyntheticWorld
     from gem.solaris.scorer import kmeans_segments
 
+    require_synthetic_world(manifest.spec.data)
     world = SyntheticWorld(manifest.spec.data.synthetic)
     context = world.sample(manifest.spec.data.synthetic.num_train_examples, split=0)
     scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
@@ -183,8 +203,8 @@ def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: 
     _, embs = scorer.score(context, np.array([last[u] for u in users.tolist()]), context.ad_id[[last[u] for u in users.tolist()]])
     seg = dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
 
-    def segment_of(u: int) -> int:
-        return seg.get(u, u % num_segments)
+    def segment_of(u: int) -> int | None:
+        return seg.get(u)  # None for a user k-means never saw: no segment's mean is theirs
 
     def campaign_of(a: int) -> int:
         return int(world.ad_campaign[a])

@@ -1,14 +1,24 @@
 """The precompute store: versioned, TTL'd foundation-model values per (user, ad), plus the
-aggregates the fallback tiers read (user x campaign, segment x ad, user embeddings, defaults).
+aggregates the fallback tiers read (user x campaign, segment x ad, ad default, global default,
+user embeddings).
 
 Every entry carries the model version it was computed with and its expiry time; a lookup with
-`now` past the expiry, or under another model version, misses. All methods take one lock, so the
-store is safe from threads and from asyncio tasks (each call is short and never awaits).
-Time is passed in explicitly (`now`, seconds) so that replays run on simulated time.
+`now` past the expiry, or under another model version, misses. The aggregates are sums over the
+entries held *now*: a pair computed again replaces its old value, and an entry leaves every
+aggregate when it expires or is evicted, so a mean never mixes stale values into fresh ones.
+Expired entries are swept (in expiry order, from a heap) by every read and write, so each entry is
+removed once and a lookup stays O(1) amortised. At `max_entries`, a put evicts the entry that
+expires first (TTLs are equal, so the oldest computed) before inserting a new pair.
+
+All methods take one lock (reads included: a sweep mutates), so the store is safe from threads and
+from asyncio tasks (each call is short and never awaits). Time is passed in explicitly (`now`,
+seconds) so that replays run on simulated time; it is expected not to go backwards.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -21,44 +31,69 @@ class Entry:
     version: str
     computed_at: float
     expires_at: float
+    campaign: int | None = None  # the aggregate keys it was folded into, to take it out again
+    segment: int | None = None  # None: the user has no segment (not in the segment x ad tier)
 
 
-class _Mean:
-    """A running mean of value vectors with a freshness stamp."""
+class _Sum:
+    """The sum and count of the value vectors of the entries currently held under one key."""
 
-    __slots__ = ("total", "count", "updated_at", "version")
+    __slots__ = ("total", "count")
 
-    def __init__(self, dim: int, version: str):
+    def __init__(self, dim: int):
         self.total = np.zeros(dim, np.float64)
         self.count = 0
-        self.updated_at = 0.0
-        self.version = version
 
-    def add(self, v: np.ndarray, now: float) -> None:
+    def add(self, v: np.ndarray) -> None:
         self.total += v
         self.count += 1
-        self.updated_at = now
+
+    def remove(self, v: np.ndarray) -> None:
+        self.total -= v
+        self.count -= 1
 
     @property
     def mean(self) -> np.ndarray:
         return (self.total / max(self.count, 1)).astype(np.float32)
 
 
+def _add_to(table: dict, key, value: np.ndarray, dim: int) -> None:
+    agg = table.get(key)
+    if agg is None:
+        agg = table[key] = _Sum(dim)
+    agg.add(value)
+
+
+def _remove_from(table: dict, key, value: np.ndarray) -> None:
+    agg = table[key]
+    agg.remove(value)
+    if agg.count == 0:  # drop empty keys: memory stays bounded and no float residue lingers
+        del table[key]
+
+
 class PrecomputeStore:
     def __init__(self, *, ttl_s: float, version: str, value_dim: int = 2, max_entries: int = 1_000_000):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.ttl_s = float(ttl_s)
         self.value_dim = value_dim
         self.max_entries = max_entries
         self._version = version
         self._lock = threading.Lock()
+        self._seq = itertools.count()  # heap tie-break: entries themselves are never compared
+        self._clear()
+        self.puts = 0
+
+    def _clear(self) -> None:
         self._pairs: dict[tuple[int, int], Entry] = {}
         self._by_ad: dict[int, dict[int, Entry]] = {}  # ad -> user -> entry (the neighbour tier's index)
-        self._user_campaign: dict[tuple[int, int], _Mean] = {}
-        self._segment_ad: dict[tuple[int, int], _Mean] = {}
-        self._ad_default: dict[int, _Mean] = {}
-        self._global = _Mean(value_dim, version)
+        # (expires_at, seq, key, entry); an item whose entry was replaced or removed is stale, skipped when popped
+        self._expiry: list[tuple[float, int, tuple[int, int], Entry]] = []
+        self._user_campaign: dict[tuple[int, int], _Sum] = {}
+        self._segment_ad: dict[tuple[int, int], _Sum] = {}
+        self._ad_default: dict[int, _Sum] = {}
+        self._global = _Sum(self.value_dim)
         self._user_emb: dict[int, np.ndarray] = {}
-        self.puts = 0
 
     # ------------------------------------------------------------------ versions
 
@@ -71,52 +106,91 @@ class PrecomputeStore:
         with self._lock:
             if version != self._version:
                 self._version = version
-                self._pairs.clear()
-                self._by_ad.clear()
-                self._user_campaign.clear()
-                self._segment_ad.clear()
-                self._ad_default.clear()
-                self._global = _Mean(self.value_dim, version)
-                self._user_emb.clear()
+                self._clear()
+
+    # ------------------------------------------------------------------ aggregates (lock held)
+
+    def _fold_in(self, user: int, ad: int, e: Entry) -> None:
+        _add_to(self._user_campaign, (user, e.campaign), e.value, self.value_dim)
+        if e.segment is not None:
+            _add_to(self._segment_ad, (e.segment, ad), e.value, self.value_dim)
+        _add_to(self._ad_default, ad, e.value, self.value_dim)
+        self._global.add(e.value)
+
+    def _take_out(self, user: int, ad: int, e: Entry) -> None:
+        _remove_from(self._user_campaign, (user, e.campaign), e.value)
+        if e.segment is not None:
+            _remove_from(self._segment_ad, (e.segment, ad), e.value)
+        _remove_from(self._ad_default, ad, e.value)
+        self._global.remove(e.value)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Remove a held pair from the pairs, the neighbour index and every aggregate."""
+        e = self._pairs.pop(key)
+        by_user = self._by_ad[key[1]]
+        del by_user[key[0]]
+        if not by_user:
+            del self._by_ad[key[1]]
+        self._take_out(key[0], key[1], e)
+
+    def _pop_soonest(self) -> tuple[tuple[int, int], Entry] | None:
+        """Pop the held entry that expires first (skipping stale heap items); None if none is held."""
+        while self._expiry:
+            _, _, key, e = heapq.heappop(self._expiry)
+            if self._pairs.get(key) is e:
+                return key, e
+        return None
+
+    def _sweep(self, now: float) -> int:
+        """Drop every entry expired at `now`; amortised O(1) per entry ever put."""
+        dropped = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, key, e = heapq.heappop(self._expiry)
+            if self._pairs.get(key) is e:
+                self._drop(key)
+                dropped += 1
+        return dropped
+
+    def _compact_heap(self) -> None:
+        # Replaced pairs leave stale heap items behind; rebuild once they outnumber the live ones.
+        if len(self._expiry) > 2 * len(self._pairs) + 64:
+            self._expiry = [(e.expires_at, next(self._seq), k, e) for k, e in self._pairs.items()]
+            heapq.heapify(self._expiry)
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, user: int, ad: int, campaign: int, segment: int, value: np.ndarray, *, now: float,
+    def put(self, user: int, ad: int, campaign: int, segment: int | None, value: np.ndarray, *, now: float,
             version: str | None = None, user_embedding: np.ndarray | None = None) -> bool:
-        """Store one computed pair (and fold it into the aggregates); False if its version is stale."""
+        """Store one computed pair, replacing its previous value everywhere; False if its version is stale.
+
+        segment None: the user has no segment (a user the segmentation never saw), so the pair feeds
+        no segment x ad mean.
+        """
         version = version or self._version
         value = np.asarray(value, np.float32)
+        key = (user, ad)
         with self._lock:
             if version != self._version:
                 return False
-            if len(self._pairs) >= self.max_entries:
-                self._evict_expired(now)
-            entry = self._pairs[(user, ad)] = Entry(value, version, now, now + self.ttl_s)
+            self._sweep(now)
+            if key in self._pairs:
+                self._drop(key)  # replaced, not counted twice
+            while len(self._pairs) >= self.max_entries:
+                user_ad, _ = self._pop_soonest()
+                self._drop(user_ad)
+            entry = self._pairs[key] = Entry(value, version, now, now + self.ttl_s, campaign, segment)
             self._by_ad.setdefault(ad, {})[user] = entry
-            for table, key in ((self._user_campaign, (user, campaign)), (self._segment_ad, (segment, ad)),
-                               (self._ad_default, ad)):
-                agg = table.get(key)
-                if agg is None:
-                    agg = table[key] = _Mean(self.value_dim, version)
-                agg.add(value, now)
-            self._global.add(value, now)
+            heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), key, entry))
+            self._compact_heap()
+            self._fold_in(user, ad, entry)
             if user_embedding is not None:
                 self._user_emb[user] = np.asarray(user_embedding, np.float32)
             self.puts += 1
             return True
 
-    def _evict_expired(self, now: float) -> int:
-        dead = [k for k, e in self._pairs.items() if e.expires_at <= now]
-        for k in dead:
-            del self._pairs[k]
-            by_user = self._by_ad.get(k[1])
-            if by_user is not None:
-                by_user.pop(k[0], None)
-        return len(dead)
-
     def evict_expired(self, now: float) -> int:
         with self._lock:
-            return self._evict_expired(now)
+            return self._sweep(now)
 
     # ------------------------------------------------------------------ reads
 
@@ -124,30 +198,37 @@ class PrecomputeStore:
         """The exact pair if fresh and of the live version."""
         with self._lock:
             e = self._pairs.get((user, ad))
-        if e is None or e.expires_at <= now or e.version != self._version:
-            return None
-        return e
+            if e is None or e.expires_at <= now or e.version != self._version:
+                return None
+            return e
 
     def _fresh_mean(self, table: dict, key, now: float) -> np.ndarray | None:
         with self._lock:
+            self._sweep(now)
             agg = table.get(key)
-        if agg is None or agg.count == 0 or agg.version != self._version or agg.updated_at + self.ttl_s <= now:
-            return None
-        return agg.mean
+            return None if agg is None else agg.mean
 
     def user_campaign(self, user: int, campaign: int, *, now: float) -> np.ndarray | None:
+        """Mean over the user's fresh pairs of this campaign."""
         return self._fresh_mean(self._user_campaign, (user, campaign), now)
 
-    def segment_ad(self, segment: int, ad: int, *, now: float) -> np.ndarray | None:
-        return self._fresh_mean(self._segment_ad, (segment, ad), now)
+    def segment_ad(self, segment: int | None, ad: int, *, now: float) -> np.ndarray | None:
+        """Mean over the segment's fresh pairs of this ad (None for a user without a segment)."""
+        return None if segment is None else self._fresh_mean(self._segment_ad, (segment, ad), now)
 
-    def ad_default(self, ad: int) -> np.ndarray | None:
+    def ad_default(self, ad: int, *, now: float | None = None) -> np.ndarray | None:
+        """Mean over every user's fresh pair of this ad (`now` None: as of the last sweep)."""
         with self._lock:
+            if now is not None:
+                self._sweep(now)
             agg = self._ad_default.get(ad)
-        return None if agg is None or agg.count == 0 else agg.mean
+            return None if agg is None else agg.mean
 
-    def global_default(self) -> np.ndarray:
+    def global_default(self, *, now: float | None = None) -> np.ndarray:
+        """Mean over every fresh pair (zeros while none is held)."""
         with self._lock:
+            if now is not None:
+                self._sweep(now)
             return self._global.mean
 
     def user_embedding(self, user: int) -> np.ndarray | None:
@@ -157,6 +238,7 @@ class PrecomputeStore:
     def users_with_ad(self, ad: int, *, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(users, values [n, V]) with a fresh exact entry for `ad`."""
         with self._lock:
+            self._sweep(now)
             items = [(u, e.value) for u, e in self._by_ad.get(ad, {}).items()
                      if e.expires_at > now and e.version == self._version]
         if not items:
