@@ -147,31 +147,20 @@ class EmbeddingMemory:
     def apply_retention(self, now: int, max_age_s: int) -> int:
         """Drop rows with timestamp < now - max_age_s; returns how many were dropped."""
         cutoff = int(now) - int(max_age_s)
-        dropped = 0
-        with self._lock:
-            for shard in self.shards():
-                table = pq.read_table(shard)
-                ts = table.column("timestamp").to_numpy()
-                keep = ts >= cutoff
-                if keep.all():
-                    continue
-                dropped += int((~keep).sum())
-                if not keep.any():
-                    shard.unlink()
-                    continue
-                tmp = shard.with_suffix(".tmp")
-                pq.write_table(table.filter(pa.array(keep)), tmp)
-                os.replace(tmp, shard)
-            self._cache.clear()
-        return dropped
+        return self._keep_rows(lambda table: table.column("timestamp").to_numpy() >= cutoff)
 
     def drop_version(self, model_version: str) -> int:
         """Drop every row of one model version (e.g. a partial log being replaced); returns how many."""
+        return self._keep_rows(
+            lambda table: pc.not_equal(table.column("model_version"), model_version).to_numpy(zero_copy_only=False))
+
+    def _keep_rows(self, keep_of) -> int:
+        """Rewrite every shard to the rows `keep_of(table)` (a bool mask) keeps; returns how many were dropped."""
         dropped = 0
         with self._lock:
             for shard in self.shards():
                 table = pq.read_table(shard)
-                keep = pc.not_equal(table.column("model_version"), model_version).to_numpy(zero_copy_only=False)
+                keep = keep_of(table)
                 if keep.all():
                     continue
                 dropped += int((~keep).sum())
