@@ -101,6 +101,7 @@ def _task(manifest: Any, command: str, env: Any) -> Any:
 
 
 def _train(manifest: Any, command: str) -> int:
+    from gem.train import checkpoint
     from gem.train import report as final_report
     from gem.train.dist import barrier, init_distributed, shutdown
     from gem.train.trainer import Trainer
@@ -108,6 +109,10 @@ def _train(manifest: Any, command: str) -> int:
     env = init_distributed()
     try:
         with _spec_errors_as_config_errors():
+            # before the task (a LoopFM task loads its teacher and creates its memory dir under the root)
+            # and the (slow) setup: an unwritable checkpoint root would otherwise surface at the first save
+            meta, path = manifest.metadata, manifest.spec.checkpoint.path
+            checkpoint.check_writable(env, checkpoint.job_dir_of(path, meta.namespace, meta.name), path)
             result = Trainer(_task(manifest, command, env), env).run()
         if env.is_main:
             final_report.write(result)
@@ -125,7 +130,7 @@ def _latest_checkpoint(manifest: Any) -> str:
     from gem.train import checkpoint
 
     meta = manifest.metadata
-    job = checkpoint.job_dir(checkpoint.checkpoint_root(manifest.spec.checkpoint.path), meta.namespace, meta.name)
+    job = checkpoint.job_dir_of(manifest.spec.checkpoint.path, meta.namespace, meta.name)
     latest = checkpoint.latest_complete(job)
     if latest is None:
         raise ConfigError(f"no complete checkpoint under {job}: train first or pass --checkpoint DIR")
@@ -165,11 +170,9 @@ def _foundation_model(checkpoint_dir: str) -> Any:
     """The GEM model of a GEMTraining checkpoint; a student's checkpoint is a config error naming --checkpoint."""
     from gem.train import checkpoint
 
-    try:
+    # None: not a checkpoint at all, which _load_checkpoint_model says
+    if checkpoint.checkpoint_kind(checkpoint_dir) == "LoopFMDistill":
         saved = checkpoint.read_manifest(checkpoint_dir)
-    except OSError:
-        saved = None  # not a checkpoint at all: _load_checkpoint_model says so
-    if isinstance(saved, dict) and saved.get("kind") == "LoopFMDistill":
         method = ((saved.get("spec") or {}).get("distillation") or {}).get("method", "kd")
         raise ConfigError(f"--checkpoint {checkpoint_dir} holds a LoopFMDistill student (distillation.method {method}), "
                           "not a foundation model: Solaris precomputes GEM values; pass a GEMTraining's "

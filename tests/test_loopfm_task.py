@@ -101,3 +101,15 @@ def test_a_missing_teacher_is_a_spec_error_naming_the_field(tmp_path):
     manifest = distill_manifest(tmp_path, tmp_path / "no-such-checkpoint")
     with pytest.raises(SpecError, match=r"^spec\.teacher\.checkpoint: no GEM checkpoint"):
         load_teacher(manifest.spec, "local")
+
+
+def test_a_student_named_as_teacher_is_a_spec_error_before_loading(tmp_path):
+    """The kind in gem.yaml is checked before load_model: a LoopFM student's checkpoint (here one whose
+    model.pt would not even load) is a SpecError naming spec.teacher (exit 2), not a load error (exit 1)."""
+    student = tmp_path / "student" / "step-00000001"
+    student.mkdir(parents=True)
+    (student / "gem.yaml").write_text(yaml.safe_dump(distill_manifest(tmp_path, tmp_path / "fm").to_wire()))
+    (student / "model.pt").write_bytes(b"")  # never read
+    manifest = distill_manifest(tmp_path, student)
+    with pytest.raises(SpecError, match=r"^spec\.teacher: checkpoint .* holds a LoopFMDistill student"):
+        load_teacher(manifest.spec, "local")

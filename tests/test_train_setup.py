@@ -85,6 +85,29 @@ def test_an_unwritable_checkpoint_root_fails_before_training(tmp_path, capsys, m
     assert ("wins over spec.checkpoint.path" in report) == via_env
 
 
+def test_an_unwritable_checkpoint_root_fails_before_a_loopfm_distill_loads_its_teacher(tmp_path, capsys, monkeypatch):
+    """`gem distill` (LoopFM) checks the root before building its task, which loads the teacher and
+    creates the memory dir under the root (was: PermissionError, exit 1, after the teacher load)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.delenv(checkpoint.ENV_CHECKPOINT_DIR, raising=False)
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "lf"},
+           "spec": {"teacher": {"checkpoint": str(tmp_path / "fm")},
+                    "student": {"embeddingDim": 8, "hiddenDim": 16, "maxSeqLen": 8},
+                    "distillation": {"method": "loopfm", "memoryK": 4},
+                    "data": {"synthetic": {"numUsers": 30, "numAds": 20, "numTrainExamples": 200,
+                                           "numEvalExamples": 50, "meanHistoryLen": 6}},
+                    "checkpoint": {"path": str(tmp_path / "file" / "ckpt")}, "mlflow": {"enabled": False}}}
+    path = tmp_path / "lf.yaml"
+    path.write_text(yaml.safe_dump(obj))
+
+    def no_task(*args, **kwargs):
+        raise AssertionError("the run built its task (loading the teacher) before checking its checkpoint root")
+
+    monkeypatch.setattr(cli, "_task", no_task)
+    config_error(tmp_path, capsys, ["distill", "--config", str(path)], "spec.checkpoint.path")
+    assert str(tmp_path / "file") in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
 @pytest.mark.parametrize("example", ["quickstart.yaml", "loopfm-distill.yaml"])
 def test_example_local_commands_set_a_writable_checkpoint_root(example):
     """The examples keep the pods' checkpoint.path (/var/lib/gem/...): their local `gem` command must

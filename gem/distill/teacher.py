@@ -54,7 +54,7 @@ def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
         return _checkpoint_in(Path(teacher.checkpoint), "spec.teacher.checkpoint",
                               "set it to a checkpoint step directory or its job directory")
     if teacher.gem_training:
-        job = checkpoint.job_dir(checkpoint.checkpoint_root(spec.checkpoint.path), namespace, teacher.gem_training)
+        job = checkpoint.job_dir_of(spec.checkpoint.path, namespace, teacher.gem_training)
         latest = checkpoint.latest_complete(job)
         if latest is None:
             raise SpecError(
@@ -70,10 +70,11 @@ def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
 def load_teacher(spec: LoopFMDistillSpec, namespace: str) -> tuple[nn.Module, Any, Path]:
     """(frozen teacher in eval mode, its GEMTraining manifest, its checkpoint dir)."""
     path = resolve_teacher(spec, namespace)
-    model, manifest = checkpoint.load_model(path)
-    if manifest.kind != "GEMTraining":
-        raise SpecError(f"spec.teacher: checkpoint {path} holds a {manifest.kind} student, not a GEM model: "
+    kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
+    if kind is not None and kind != "GEMTraining":
+        raise SpecError(f"spec.teacher: checkpoint {path} holds a {kind} student, not a GEM model: "
                         "name a GEMTraining's checkpoint as the teacher")
+    model, manifest = checkpoint.load_model(path)
     for p in model.parameters():
         p.requires_grad_(False)
     log.info("teacher: %s (preset %s)", path, manifest.spec.model.preset)

@@ -431,7 +431,6 @@ class LocalPyTorchJob:
         specs = job["spec"]["pytorchReplicaSpecs"]
         run_policy = job["spec"].get("runPolicy") or {}
         self.backoff_limit = run_policy.get("backoffLimit")
-        self.restarts = 0
         rdzv = f"{master_addr}:{self.master_port}"
         for rtype in sorted(specs, key=lambda r: (r != "Master", r)):
             spec = specs[rtype]
@@ -449,6 +448,11 @@ class LocalPyTorchJob:
     def pods(self) -> dict[str, LocalPod]:
         return {n: r.pod for n, r in self.replicas.items()}
 
+    @property
+    def restarts(self) -> int:
+        """In-place restarts made so far, over all replicas (only `poll` restarts a pod)."""
+        return sum(r.pod.state.restart_count for r in self.replicas.values())
+
     def start(self) -> None:
         for r in self.replicas.values():
             r.pod.start()
@@ -457,17 +461,11 @@ class LocalPyTorchJob:
         """Refresh every replica, restarting failed ones within the backoff limit."""
         for r in self.replicas.values():
             st = r.pod.poll()
-            if st.phase == "Failed" and self._restartable(r, st):
-                self.restarts += 1
+            # phase_now() fails the job for any failed replica that may not restart (Never,
+            # ExitCode under 128, backoff exhausted), `r` included: "Running" means restart it.
+            if st.phase == "Failed" and self.phase_now() == "Running":
                 r.pod.restart()
         return {n: r.pod.state for n, r in self.replicas.items()}
-
-    def _restartable(self, r: ReplicaInfo, st: ContainerState) -> bool:
-        if self.phase_now() != "Running":
-            return False
-        if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
-            return False
-        return not self._backoff_exhausted(r)
 
     def _backoff_exhausted(self, r: ReplicaInfo) -> bool:
         """Whether restarting the failed replica `r` would take the job past runPolicy.backoffLimit."""

@@ -46,8 +46,7 @@ log = logging.getLogger("gem.distill")
 
 def memory_dir_of(manifest: LoopFMDistill) -> Path:
     meta = manifest.metadata
-    return checkpoint.job_dir(checkpoint.checkpoint_root(manifest.spec.checkpoint.path),
-                              meta.namespace or "local", meta.name) / "memory"
+    return checkpoint.job_dir_of(manifest.spec.checkpoint.path, meta.namespace, meta.name) / "memory"
 
 
 #: Where a LoopFM checkpoint's gem.yaml records the memory version its student was trained with.

@@ -238,9 +238,8 @@ class PrecomputeStore:
     def users_with_ad(self, ad: int, *, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(users, values [n, V]) with a fresh exact entry for `ad`."""
         with self._lock:
-            self._sweep(now)
-            items = [(u, e.value) for u, e in self._by_ad.get(ad, {}).items()
-                     if e.expires_at > now and e.version == self._version]
+            self._sweep(now)  # what is left is fresh (expires_at > now) and of the live version
+            items = [(u, e.value) for u, e in self._by_ad.get(ad, {}).items()]
         if not items:
             return np.zeros(0, np.int64), np.zeros((0, self.value_dim), np.float32)
         return np.array([u for u, _ in items]), np.stack([v for _, v in items])

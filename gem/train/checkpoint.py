@@ -68,6 +68,12 @@ def job_dir(root: str | os.PathLike, namespace: str, name: str) -> Path:
     return Path(root) / namespace / name
 
 
+def job_dir_of(spec_path: str, namespace: str | None, name: str) -> Path:
+    """The job dir of a job whose spec.checkpoint.path is spec_path, under the root in effect
+    ($GEM_CHECKPOINT_DIR wins); a manifest without a namespace is the "local" one."""
+    return job_dir(checkpoint_root(spec_path), namespace or "local", name)
+
+
 def check_writable(env: DistEnv, job: Path, spec_path: str) -> None:
     """Create the job dir and write a probe file in it, or raise SpecError naming the fix. Collective.
 
@@ -193,13 +199,6 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(path)
 
 
-def _fsync_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str, Any], state: dict[str, Any],
          keep_last: int, rank_state: dict[str, Any] | None = None) -> Path:
     """Save a checkpoint of `step` atomically; returns its final directory. Collective.
@@ -223,11 +222,11 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
     torch.save(_rng_state(), tmp / "rng" / f"rank-{env.rank:05d}.pt")
     if rank_state is not None:
         (tmp / SHARDS_DIR).mkdir(exist_ok=True)
-        _fsync_save(rank_state, tmp / SHARDS_DIR / f"rank-{env.rank:05d}.pt")
-    if env.is_main:
+        torch.save(rank_state, tmp / SHARDS_DIR / f"rank-{env.rank:05d}.pt")
+    if env.is_main:  # no fsync per file: _publish fsyncs the whole temp dir before renaming it
         torch.save(weights, tmp / MODEL_FILE)
-        _fsync_write(tmp / MANIFEST_FILE, yaml.safe_dump(manifest, sort_keys=False))
-        _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2))
+        (tmp / MANIFEST_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
     barrier()  # every rank's files are in tmp
     if env.is_main:
         _publish(tmp, final, step)
@@ -324,6 +323,16 @@ def load_rank_state(env: DistEnv, ckpt: Path) -> dict[str, Any]:
 
 def read_manifest(ckpt: str | os.PathLike) -> dict[str, Any]:
     return yaml.safe_load((Path(ckpt) / MANIFEST_FILE).read_text())
+
+
+def checkpoint_kind(ckpt: str | os.PathLike) -> str | None:
+    """The kind (GEMTraining, LoopFMDistill) its gem.yaml records, read without loading the model;
+    None when it has no readable manifest (load_model then says what is missing)."""
+    try:
+        saved = read_manifest(ckpt)
+    except OSError:
+        return None
+    return saved.get("kind") if isinstance(saved, dict) else None
 
 
 def load_model(ckpt: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:

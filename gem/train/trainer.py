@@ -58,9 +58,7 @@ class Trainer:
         self.manifest = task.manifest
         self.spec = task.manifest.spec
         meta = self.manifest.metadata
-        self.job_dir = checkpoint.job_dir(
-            checkpoint.checkpoint_root(self.spec.checkpoint.path), meta.namespace or "local", meta.name
-        )
+        self.job_dir = checkpoint.job_dir_of(self.spec.checkpoint.path, meta.namespace, meta.name)
         self.total_steps = self.spec.training.steps
         self.step = 0
         self.resumed_from: Path | None = None
@@ -210,8 +208,6 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to training.steps and return the final report (identical on every rank)."""
-        # before the (slow) setup: an unwritable checkpoint root would otherwise surface at the first save
-        checkpoint.check_writable(self.env, self.job_dir, self.spec.checkpoint.path)
         self._setup()
         try:
             state = self._resume()

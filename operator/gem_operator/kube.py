@@ -147,15 +147,7 @@ def ensure_config_map(cm: dict[str, Any]) -> None:
             raise Rejected(f"ConfigMap {ns}/{name}: {_reason(e)}") from None
         if e.status != 409 or _reason_code(e) != "AlreadyExists":
             raise
-    existing = _get_config_map(ns, name)
-    if existing is None:
-        raise Conflict(f"ConfigMap {ns}/{name} vanished right after a create conflict; retrying")
-    owner_uid = _controller_uid(cm)
-    if owner_uid not in {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or []}:
-        raise Conflict(
-            f"ConfigMap {ns}/{name} exists but is not owned by this resource (uid {owner_uid}); "
-            "it is probably the ConfigMap of a deleted resource of the same name and will be garbage-collected"
-        )
+    _require_owned(_get_config_map(ns, name), _controller_uid(cm), "ConfigMap", ns, name, "ConfigMap")
     core().patch_namespaced_config_map(
         name, ns, {"data": cm["data"], "metadata": {"labels": cm["metadata"]["labels"]}}, _request_timeout=_timeout()
     )
@@ -172,8 +164,31 @@ def _get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def _controller_uid(obj: dict[str, Any]) -> str | None:
+    """The uid of `obj`'s controller ownerReference (the resource it was rendered for), if any."""
     refs = obj["metadata"].get("ownerReferences") or []
     return next((ref.get("uid") for ref in refs if ref.get("controller")), None)
+
+
+def owned_by(obj: dict[str, Any], uid: str | None) -> bool:
+    """Whether one of `obj`'s ownerReferences names the object with this uid."""
+    return uid in {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
+
+
+def _require_owned(
+    existing: dict[str, Any] | None, owner_uid: str | None, kind: str, ns: str, name: str, noun: str
+) -> dict[str, Any]:
+    """`existing` (read back after a 409 AlreadyExists on create), or Conflict unless `owner_uid` owns it.
+
+    `noun` names the object in the message ("job", "ConfigMap").
+    """
+    if existing is None:
+        raise Conflict(f"{kind} {ns}/{name} vanished right after a create conflict; retrying")
+    if not owned_by(existing, owner_uid):
+        raise Conflict(
+            f"{kind} {ns}/{name} exists but is not owned by this resource (uid {owner_uid}); "
+            f"it is probably the {noun} of a deleted resource of the same name and will be garbage-collected"
+        )
+    return existing
 
 
 def get_pytorchjob(namespace: str, name: str) -> dict[str, Any] | None:
@@ -206,16 +221,7 @@ def ensure_pytorchjob(job: dict[str, Any], owner_uid: str) -> tuple[dict[str, An
         # Only AlreadyExists means "it is there": any other 409 is a conflict worth retrying.
         if e.status != 409 or _reason_code(e) != "AlreadyExists":
             raise
-    existing = get_pytorchjob(ns, name)
-    if existing is None:
-        raise Conflict(f"PyTorchJob {ns}/{name} vanished right after a create conflict; retrying")
-    owners = {ref.get("uid") for ref in existing["metadata"].get("ownerReferences", [])}
-    if owner_uid not in owners:
-        raise Conflict(
-            f"PyTorchJob {ns}/{name} exists but is not owned by this resource (uid {owner_uid}); "
-            "it is probably the job of a deleted resource of the same name and will be garbage-collected"
-        )
-    return existing, False
+    return _require_owned(get_pytorchjob(ns, name), owner_uid, "PyTorchJob", ns, name, "job"), False
 
 
 def patch_pytorchjob(namespace: str, name: str, patch: dict[str, Any]) -> None:

@@ -202,7 +202,7 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
 
     job_name = render.job_name(kind, name)
     existing = kube.get_pytorchjob(ns, job_name)
-    if existing is not None and meta.get("uid") in {r.get("uid") for r in existing["metadata"].get("ownerReferences", [])}:
+    if existing is not None and kube.owned_by(existing, meta.get("uid")):
         # A job runs: an invalid edit is a rejected change like any other, the job is left alone.
         return _reconcile_running(body, existing, status, logger, obj, problem)
     if obj is None:
@@ -464,7 +464,7 @@ def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
     if not kind or not name or not (job.get("status") or {}).get("conditions"):
         return  # not ours, or nothing to mirror yet (the create handler wrote the first status)
     parent = kube.get_resource(kind, ns, name)
-    if parent is None or parent["metadata"].get("uid") not in {r.get("uid") for r in job["metadata"].get("ownerReferences", [])}:
+    if parent is None or not kube.owned_by(job, parent["metadata"].get("uid")):
         return
     try:
         obj, problem = parse_resource(kind, parent), None
