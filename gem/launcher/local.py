@@ -480,7 +480,7 @@ class LocalPyTorchJob:
             # add 1 and the operator would then fail the job: so do not make that restart.
             after = 1 + sum(x.pod.state.restart_count for x in self.replicas.values()
                             if x.restart_policy in in_place and x.pod.state.phase != "Succeeded")
-            return limit == 0 or after >= limit  # after >= 1, so `after > 0` always holds
+            return after >= limit  # after >= 1: also v1.9's `result > 0` for a limit of 0
         # ExitCode: the operator recreates the pod (restartCount 0), outside that rule.
         return sum(x.pod.state.restart_count for x in self.replicas.values() if x.restart_policy == "ExitCode") >= limit
 
