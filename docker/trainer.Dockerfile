@@ -10,11 +10,17 @@
 #
 # The -devel flavour carries nvcc, which DeepSpeed needs to JIT-compile its fused ops.
 # torch comes from the base image and is held at its version by a constraint, so
-# `pip install .[train]` never swaps it for another build.
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-devel
+# `pip install .[train]` never swaps it for another build. The base carries the torch the
+# project is tested with (the Makefile's torch==2.13.0): torchao, which the mxfp8 precision
+# uses, is built against one torch release at a time. CUDA 12.6 runs on drivers >= 560
+# (older ones with CUDA's minor-version compatibility); the -cuda13.0- tags need >= 580.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-devel
 FROM ${BASE_IMAGE}
 
-ENV PIP_NO_CACHE_DIR=1 \
+# Since torch 2.10 the base's Python is Ubuntu's system Python (no conda): allow pip to install
+# into it in case the image keeps PEP 668's marker (harmless where it does not).
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
