@@ -27,11 +27,12 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
 WORKDIR /opt/gem/src
 # .dockerignore lets only the package sources through (pyproject.toml, README.md, gem/, operator/, sdk/).
 COPY . .
-RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
- && pip install --constraint /tmp/torch-constraint.txt ".[train]" \
+# python3 -m pip: the same interpreter as torch's, whether the base is conda's or the system's.
+RUN python3 -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
+ && python3 -m pip install --constraint /tmp/torch-constraint.txt ".[train]" \
  && rm /tmp/torch-constraint.txt \
  && command -v torchrun \
- && python -c "import gem, torch, deepspeed, mlflow"
+ && python3 -c "import gem, torch, deepspeed, mlflow"
 
 RUN groupadd --gid 10001 gem \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/gem --shell /bin/bash gem \
