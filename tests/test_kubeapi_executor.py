@@ -126,17 +126,29 @@ def test_mounts_termination_message_and_pvc(kubeapi, tmp_path):
 
 def test_failure_restarts_until_backoff_limit(kubeapi):
     body = pytorchjob("crash", ["python", "-c", "import sys; print('boom'); sys.exit(3)"],
-                      run_policy={"backoffLimit": 2}, extra_container={"terminationMessagePolicy": "FallbackToLogsOnError"})
+                      run_policy={"backoffLimit": 3}, extra_container={"terminationMessagePolicy": "FallbackToLogsOnError"})
     kubeapi.create(*JOBS, body)
     failed = job_cond(kubeapi, "crash", "Failed")
     assert failed["reason"] == "PyTorchJobFailed"
     assert failed["message"] == "Job crash has failed because it has reached the specified backoff limit"
     pod = kubeapi.get("v1", "Pod", "crash-master-0")
     cs = pod["status"]["containerStatuses"][0]
-    assert cs["restartCount"] == 2 and pod["status"]["phase"] == "Failed"
+    assert cs["restartCount"] == 2 and pod["status"]["phase"] == "Failed"  # a limit of n allows n - 1
     assert cs["state"]["terminated"]["exitCode"] == 3 and cs["state"]["terminated"]["message"] == "boom\n"
     running = condition(kubeapi.get(*JOBS, "crash"), "Running")
     assert running is None  # set to False by the terminal condition
+
+
+@pytest.mark.parametrize(("limit", "restarts"), [(0, 0), (1, 0), (2, 1), (3, 2)])
+def test_a_worker_that_always_fails_makes_limit_minus_one_restarts(kubeapi, limit, restarts):
+    # training-operator v1.9 PastBackoffLimit, as gem.launcher.local and the SDK's supervisor count
+    body = pytorchjob("wf", ["python", "-c", "import time; time.sleep(60)"], worker=["python", "-c", "raise SystemExit(1)"],
+                      workers=1, run_policy={"backoffLimit": limit, "cleanPodPolicy": "Running"})
+    kubeapi.create(*JOBS, body)
+    failed = job_cond(kubeapi, "wf", "Failed")
+    assert failed["message"] == "Job wf has failed because it has reached the specified backoff limit"
+    worker = kubeapi.get("v1", "Pod", "wf-worker-0")["status"]
+    assert worker["phase"] == "Failed" and worker["containerStatuses"][0]["restartCount"] == restarts
 
 
 def test_restart_policy_never_fails_at_once(kubeapi):

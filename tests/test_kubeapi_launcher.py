@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gem.launcher import LocalPyTorchJob, training_operator_env
+from gem.launcher import JobFailure, LocalPyTorchJob, training_operator_env
 from gem.launcher.env import container_env
 from tests.kubeapi.testing import pytorchjob
 
@@ -82,3 +82,27 @@ def test_backoff_limit_counts_restarts_like_training_operator(tmp_path, policy, 
         run.start()
         assert run.wait(timeout=30, interval=0.02) == phase
         assert run.pods["bo-master-0"].state.restart_count == restarts == run.restarts
+
+
+@pytest.mark.parametrize(("limit", "restarts"), [(0, 0), (1, 0), (2, 1), (3, 2)])
+def test_a_worker_that_always_fails_makes_limit_minus_one_restarts(tmp_path, limit, restarts):
+    job = pytorchjob("wf", [sys.executable, "-c", "import time; time.sleep(60)"],
+                     worker=[sys.executable, "-c", "raise SystemExit(1)"], workers=1, run_policy={"backoffLimit": limit})
+    with LocalPyTorchJob(job, tmp_path) as run:
+        run.start()
+        assert run.wait(timeout=30, interval=0.02) == "Failed"
+        assert run.pods["wf-worker-0"].state.restart_count == restarts == run.restarts
+        failure = run.failure_now()
+        assert failure.reason == "BackoffLimitExceeded"
+        assert failure.message == f"backoffLimit {limit} reached after {restarts} restart(s)"
+        assert run.pods["wf-master-0"].state.phase == "Running"
+
+
+def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):
+    job = pytorchjob("nv", [sys.executable, "-c", "raise SystemExit(2)"], restart_policy="Never",
+                     run_policy={"backoffLimit": 3})
+    with LocalPyTorchJob(job, tmp_path) as run:
+        run.start()
+        assert run.failure_now() is None
+        assert run.wait(timeout=30, interval=0.02) == "Failed"
+        assert run.failure_now() == JobFailure("ReplicaFailed", "nv-master-0 exited with code 2 (restartPolicy Never)")

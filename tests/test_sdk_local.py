@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,22 @@ if mode == "flaky" and not os.path.exists(os.path.join(ckpt, "tried")):
 if mode == "fail":
     open(report_path, "w").write(json.dumps({"error": "FileNotFoundError: data.path /no/such/dir does not exist"}))
     sys.exit(1)
+if mode == "crash" or (mode == "crash-worker" and os.environ["RANK"] != "0"):
+    sys.exit(1)  # no report: the status message is the job's own
+if mode == "crash-worker":
+    time.sleep(120)  # the master waits for its worker, which never comes
+if mode == "flaky-worker":  # the worker fails its first attempt; the master waits then
+    marker = os.path.join(ckpt, "tried-" + os.environ["RANK"])
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        if os.environ["RANK"] != "0":
+            sys.exit(3)
+        time.sleep(120)
+if mode.startswith("flaky:"):  # fails its first n attempts
+    tries = len(os.listdir(ckpt))
+    if tries < int(mode[6:]):
+        open(os.path.join(ckpt, f"try-{tries}"), "w").close()
+        sys.exit(3)
 time.sleep(float(os.environ.get("FAKE_SECONDS", "0.3")))
 os.makedirs(os.path.join(ckpt, "step-00000003"), exist_ok=True)
 if os.environ["RANK"] == "0":
@@ -60,8 +78,10 @@ if os.environ["RANK"] == "0":
 """
 
 
-def fake_trainer(mode: str = "ok", seconds: float = 0.3):
+def fake_trainer(mode: str = "ok", seconds: float = 0.3, run_policy: dict | None = None):
     def patch(job: dict) -> dict:
+        if run_policy is not None:
+            job["spec"]["runPolicy"] = run_policy
         for rs in job["spec"]["pytorchReplicaSpecs"].values():
             ctr = rs["template"]["spec"]["containers"][0]
             ctr["command"], ctr["args"] = [sys.executable, "-c", FAKE_TRAINER], []
@@ -95,8 +115,8 @@ def client(root):
         c.delete(obj)
 
 
-def fake(client: GEMClient, mode: str = "ok", seconds: float = 0.3) -> GEMClient:
-    client.backend._patch_job = fake_trainer(mode, seconds)
+def fake(client: GEMClient, mode: str = "ok", seconds: float = 0.3, run_policy: dict | None = None) -> GEMClient:
+    client.backend._patch_job = fake_trainer(mode, seconds, run_policy)
     return client
 
 
@@ -166,14 +186,51 @@ def test_failure_reports_the_trainer_error(client):
     assert err.object.status.phase == "Failed"
 
 
+def _pods(client: GEMClient, name: str) -> dict[str, dict]:
+    d = store.job_dir(client.backend.root, "GEMTraining", "default", name)
+    return {p["metadata"]["name"]: p["status"]["containerStatuses"][0]
+            for p in yaml.safe_load((d / "pods.yaml").read_text())["items"]}
+
+
 def test_backoff_limit_restarts_the_gang(client):
-    job = fake(client, "flaky").submit(training("flaky", runPolicy={"backoffLimit": 2}))
+    job = fake(client, "flaky-worker").submit(training("flaky", runPolicy={"backoffLimit": 2}))
     final = client.wait(job, timeout=60)
     assert final.status.phase == "Succeeded"
     restarting = next(c for c in final.status.conditions if c.type == "Restarting")
-    assert "restart 1 of 2" in restarting.message or restarting.status == "False"
-    pods = yaml.safe_load((store.job_dir(client.backend.root, "GEMTraining", "default", "flaky") / "pods.yaml").read_text())
-    assert all(p["status"]["containerStatuses"][0]["restartCount"] == 1 for p in pods["items"])
+    assert restarting.status == "False"
+    # the whole gang restarted, but only the replica that failed counts it, as on a cluster
+    assert {n: cs["restartCount"] for n, cs in _pods(client, "flaky").items()} == {
+        "flaky-train-master-0": 0, "flaky-train-worker-0": 1}
+    logs = store.job_dir(client.backend.root, "GEMTraining", "default", "flaky") / "logs"
+    assert (logs / "flaky-train-master-0.log.previous").exists() and (logs / "flaky-train-worker-0.log.previous").exists()
+
+
+@pytest.mark.parametrize(("limit", "restarts"), [(0, 0), (1, 0), (2, 1), (3, 2)])
+def test_backoff_limit_counts_restarts_like_training_operator(client, limit, restarts):
+    """As training-operator v1.9 (and gem.launcher.local, and the test API server): a limit of n
+    allows n - 1 restarts, none for 0 or 1."""
+    job = fake(client, "crash").submit(training(f"crash{limit}", nodes=1, runPolicy={"backoffLimit": limit}))
+    with pytest.raises(JobFailedError) as info:
+        client.wait(job, timeout=60)
+    assert info.value.reason == "PyTorchJobFailed"
+    assert info.value.detail == (f"PyTorchJob crash{limit}-train is failed because 1 Master replica(s) failed "
+                                 f"(backoffLimit {limit} reached after {restarts} restart(s)).")
+    assert _pods(client, f"crash{limit}")[f"crash{limit}-train-master-0"]["restartCount"] == restarts
+
+
+def test_backoff_limit_counts_only_the_failed_replicas_of_a_gang(client):
+    job = fake(client, "crash-worker").submit(training("gang", runPolicy={"backoffLimit": 3}))
+    with pytest.raises(JobFailedError, match=r"1 Worker replica\(s\) failed \(backoffLimit 3 reached after 2 restart"):
+        client.wait(job, timeout=60)
+    assert {n: cs["restartCount"] for n, cs in _pods(client, "gang").items()} == {
+        "gang-train-master-0": 0, "gang-train-worker-0": 2}
+
+
+def test_no_backoff_limit_means_no_limit(client):
+    # training-operator v1.9 never fails a job whose runPolicy has no backoffLimit (GEM always sets one)
+    job = fake(client, "flaky:4", run_policy={"cleanPodPolicy": "None"}).submit(training("unset", nodes=1))
+    assert client.wait(job, timeout=60).status.phase == "Succeeded"
+    assert _pods(client, "unset")["unset-train-master-0"]["restartCount"] == 4
 
 
 def test_backoff_limit_exhausted(client):
@@ -231,6 +288,115 @@ def test_follow_logs_until_the_pod_exits(client):
     lines = list(client.logs(job, follow=True, timeout=30))
     assert lines[0] == "rank 0 of 1 on follow-train-master-0"
     assert client.get(job).status.phase in ("Running", "Succeeded")
+
+
+def test_follow_ends_with_the_container_a_restart_replaces(client, root):
+    """`logs -f` streams one container, as `kubectl logs -f` does: a restart (which moves the log
+    to `.previous` once its process has exited) ends the stream after what that container wrote.
+    It used to go on into the next container's log, or stop before it, depending on timing."""
+    job = client.wait(fake(client).submit(training("tail", nodes=1)), timeout=60)
+    d = store.job_dir(root, "GEMTraining", "default", "tail")
+    log, pods_file = d / "logs" / "tail-train-master-0.log", d / "pods.yaml"
+    terminated = yaml.safe_load(pods_file.read_text())
+    running = yaml.safe_load(pods_file.read_text())
+    running["items"][0]["status"]["containerStatuses"][0]["state"] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+    store.write_yaml(pods_file, running)  # the container runs (its supervisor is done: nothing else writes)
+    log.write_text("first\n")
+    lines: list[str] = []
+
+    def follow():
+        for line in client.logs(job, follow=True, timeout=30):
+            lines.append(line)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    for _ in range(100):
+        if lines:
+            break
+        time.sleep(0.05)
+    assert lines == ["first"]
+    with open(log, "a") as f:
+        f.write("last words\n")
+    os.replace(log, f"{log}.previous")  # the restart: the old container has exited
+    log.write_text("second container\n")
+    time.sleep(1.0)
+    store.write_yaml(pods_file, terminated)
+    reader.join(10)
+    assert not reader.is_alive()
+    assert lines == ["first", "last words"]
+
+
+def test_wait_does_not_follow_a_new_job_of_the_same_name(client):
+    job = fake(client, "sleep").submit(training("again", nodes=1))
+    swapped = []
+
+    def swap(obj):
+        if not swapped:  # deleted and submitted again while `wait` waits: another job
+            swapped.append(obj.metadata.uid)
+            client.delete("again")
+            fake(client).submit(training("again", nodes=1))
+
+    with pytest.raises(NotFoundError, match="was deleted while waiting"):
+        client.wait(job, timeout=60, callback=swap)
+    assert swapped == [job.metadata.uid] and client.get("again").metadata.uid != job.metadata.uid
+
+
+def test_a_corrupt_job_does_not_break_list_and_delete_removes_it(client, root):
+    fake(client).submit(training("good", nodes=1))
+    jobs = root / "default" / "gemtrainings"
+    (jobs / "broken").mkdir()
+    (jobs / "broken" / "object.yaml").write_text("{{{ not yaml")
+    (jobs / "empty").mkdir()
+    (jobs / "empty" / "object.yaml").write_text("")
+    (jobs / "half").mkdir()  # what a submit killed before it wrote object.yaml leaves
+    (jobs / "half" / "configmap.yaml").write_text("{}")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert [o.metadata.name for o in client.list()] == ["good"]
+    assert sorted(Path(str(w.message).split(" in ", 1)[1].split(":", 1)[0]).name for w in seen) == ["broken", "empty"]
+    out = _gemctl("list", "--local", root=root)
+    assert out.returncode == 0 and "good" in out.stdout and "skipping" in out.stderr, out.stderr
+    with pytest.raises(BackendError, match="GEMTraining default/broken cannot be read: .*`delete` removes it"):
+        client.get("broken")
+    for name in ("broken", "empty", "half"):
+        client.delete(name)
+        assert not (jobs / name).exists()
+        fake(client).submit(training(name, nodes=1))  # the name is free again
+
+
+def test_a_stop_while_replicas_start_stops_every_replica(client, root, monkeypatch):
+    """SIGTERM (what `delete` sends) arriving while the supervisor starts a replica: it used to
+    interrupt subprocess.Popen, so the replica's LocalPod never learnt its process and nothing
+    stopped it (`delete` right after `submit` left such orphans)."""
+    from gem.launcher import local as launcher
+    from gem_sdk.backends.local import supervisor
+
+    monkeypatch.setattr(client.backend, "_spawn", lambda d: None)  # no detached supervisor: one here
+    fake(client, "sleep").submit(training("sig", nodes=2))
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before Popen returns
+            time.sleep(0.1)
+        return proc
+
+    previous = signal.signal(signal.SIGTERM, supervisor._on_signal)
+    launcher.subprocess.Popen = popen
+    try:
+        assert supervisor.Supervisor(store.job_dir(root, "GEMTraining", "default", "sig"), root).main() == 0
+        alive = [p.pid for p in started if p.poll() is None]
+    finally:
+        launcher.subprocess.Popen = real_popen
+        signal.signal(signal.SIGTERM, previous)
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert len(started) >= 1 and alive == []
 
 
 def test_crud_errors_selectors_and_namespaces(client):

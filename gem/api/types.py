@@ -376,7 +376,11 @@ class SchedulingSpec(ApiModel):
 
 
 class RunPolicySpec(ApiModel):
-    backoff_limit: int = Field(3, ge=0, le=100, description="Restarts of the whole gang before the job fails.")
+    backoff_limit: int = Field(
+        3, ge=0, le=100,
+        description="The PyTorchJob's runPolicy.backoffLimit: the job fails once its pods' summed restartCount "
+        "reaches it (training-operator v1.9), so n allows n - 1 restarts, none for 0 or 1.",
+    )
     active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this long.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods deleted when the job ends: None, Running or All."

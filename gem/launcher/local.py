@@ -34,6 +34,9 @@ No cluster, no containers, no torch import. Two layers:
   restart would reach the limit, so a limit of n allows n - 1 restarts (none for 0 or 1).
   ExitCode restarts on exit codes >= 128, counted apart: up to `backoffLimit` of them (the
   operator recreates such pods, which PastBackoffLimit does not count); Never does not restart.
+  Without `backoffLimit` there is no limit (v1.9's PastBackoffLimit is false for a nil limit).
+  `backoff_exhausted` is that rule alone; `LocalPyTorchJob.restart_blocked` applies it to a set
+  of failed replicas (the SDK's local supervisor, which restarts the whole gang, asks it too).
 
 The process environment is a small base (`BASE_ENV_KEYS` copied from this process when
 set, `PATH` with the interpreter's bin dir first, and `HOSTNAME` = pod name) plus the
@@ -64,6 +67,11 @@ DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 MAX_TERMINATION_BYTES = 4096
 FALLBACK_LINES = 80
 FALLBACK_BYTES = 2048
+#: Restart policies whose containers the kubelet restarts in place (PastBackoffLimit counts them).
+IN_PLACE_POLICIES = ("OnFailure", "Always")
+#: `JobFailure.reason`s.
+BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+REPLICA_FAILED = "ReplicaFailed"
 
 
 def now_iso() -> str:
@@ -364,14 +372,16 @@ class LocalPod:
             pass
         return self.poll()
 
-    def restart(self) -> ContainerState:
+    def restart(self, count: bool = True) -> ContainerState:
         """Restart the container in place (same sandbox), like the kubelet under
-        restartPolicy OnFailure/Always; the previous log is kept as `<log>.previous`."""
+        restartPolicy OnFailure/Always; the previous log is kept as `<log>.previous`.
+        `count=False` leaves restartCount alone (a replica restarted only because others failed)."""
         if self.running:
             self.stop()
         if self.log_path.exists():
             os.replace(self.log_path, str(self.log_path) + ".previous")
-        self.state.restart_count += 1
+        if count:
+            self.state.restart_count += 1
         self.proc = None
         return self.start()
 
@@ -380,6 +390,34 @@ class LocalPod:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+def backoff_exhausted(backoff_limit: int | str | None, restart_policy: str, restarts: int, failing: int = 1) -> bool:
+    """Whether restarting `failing` failed replicas of `restart_policy` would take the job past
+    `runPolicy.backoffLimit` (training-operator v1.9), `restarts` being what is counted so far.
+
+    OnFailure/Always: `restarts` is the summed restartCount of the job's OnFailure/Always pods that
+    have not succeeded. PastBackoffLimit fails the job once that sum is >= the limit (> 0 for a
+    limit of 0), so the restarts that would reach it are not made: a limit of n allows n - 1
+    restarts (none for 0 or 1). ExitCode: `restarts` is the ExitCode restarts made so far; up to
+    `backoffLimit` of them (the operator recreates those pods, outside PastBackoffLimit). No limit
+    (None): never exhausted.
+    """
+    if backoff_limit is None:
+        return False
+    limit = int(backoff_limit)
+    if restart_policy in IN_PLACE_POLICIES:
+        return restarts + failing >= limit  # >= 1 whenever failing: also v1.9's `> 0` for 0
+    return restarts + failing > limit
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """Why a job failed: `reason` BACKOFF_LIMIT_EXCEEDED or REPLICA_FAILED (a replica whose
+    restartPolicy does not restart it), `message` a sentence fragment naming the limit or pod."""
+
+    reason: str
+    message: str
 
 
 @dataclass
@@ -467,37 +505,54 @@ class LocalPyTorchJob:
                 r.pod.restart()
         return {n: r.pod.state for n, r in self.replicas.items()}
 
-    def _backoff_exhausted(self, r: ReplicaInfo) -> bool:
-        """Whether restarting the failed replica `r` would take the job past runPolicy.backoffLimit."""
-        if self.backoff_limit is None:
-            return False
-        limit = int(self.backoff_limit)
-        in_place = ("OnFailure", "Always")
-        if r.restart_policy in in_place:
-            # training-operator v1.9 PastBackoffLimit sums restartCount over Running pods of
-            # OnFailure/Always replicas (a succeeded pod drops out) and fails the job at
-            # `result > 0` for a limit of 0, else `result >= limit`. The kubelet's restart would
-            # add 1 and the operator would then fail the job: so do not make that restart.
-            after = 1 + sum(x.pod.state.restart_count for x in self.replicas.values()
-                            if x.restart_policy in in_place and x.pod.state.phase != "Succeeded")
-            return after >= limit  # after >= 1: also v1.9's `result > 0` for a limit of 0
-        # ExitCode: the operator recreates the pod (restartCount 0), outside that rule.
-        return sum(x.pod.state.restart_count for x in self.replicas.values() if x.restart_policy == "ExitCode") >= limit
+    def _restarts_counted(self, policies: tuple[str, ...]) -> int:
+        """What `backoff_exhausted` counts for replicas of these policies: in place, the
+        restartCount of pods that have not succeeded (v1.9 sums Running pods only); ExitCode, all."""
+        return sum(x.pod.state.restart_count for x in self.replicas.values() if x.restart_policy in policies
+                   and (x.pod.state.phase != "Succeeded" or x.restart_policy not in IN_PLACE_POLICIES))
+
+    def restart_blocked(self, failed: Iterable[ReplicaInfo]) -> JobFailure | None:
+        """Why the failed replicas `failed`, restarted together, may not be (the job fails then);
+        None when they may. Never, and ExitCode with a code under 128, do not restart; otherwise
+        `backoff_exhausted` decides, with every failed replica of a kind counted at once (the
+        operator would see all of their restartCounts go up)."""
+        failed = list(failed)
+        for r in failed:
+            code = r.pod.state.exit_code
+            if r.restart_policy == "Never":
+                return JobFailure(REPLICA_FAILED, f"{r.pod.name} exited with code {code} (restartPolicy Never)")
+            if r.restart_policy == "ExitCode" and (code or 0) < 128:
+                return JobFailure(REPLICA_FAILED, f"{r.pod.name} exited with code {code} (restartPolicy ExitCode "
+                                                  "restarts only on codes >= 128)")
+        for policies, what in ((IN_PLACE_POLICIES, "restart(s)"), (("ExitCode",), "ExitCode restart(s)")):
+            failing = sum(1 for r in failed if r.restart_policy in policies)
+            made = self._restarts_counted(policies)
+            if failing and backoff_exhausted(self.backoff_limit, policies[0], made, failing):
+                return JobFailure(BACKOFF_LIMIT_EXCEEDED, f"backoffLimit {int(self.backoff_limit)} reached after {made} {what}")
+        return None
+
+    def failure_now(self) -> JobFailure | None:
+        """Why the job has failed (None while it has not): the first failed replica that may not
+        restart. Does not poll."""
+        if self.phase_now() != "Failed":
+            return None
+        return self._first_blocked()
+
+    def _first_blocked(self) -> JobFailure | None:
+        for r in self.replicas.values():
+            if r.pod.state.phase == "Failed":
+                why = self.restart_blocked([r])
+                if why is not None:
+                    return why
+        return None
 
     def phase_now(self) -> str:
-        states = {n: r for n, r in self.replicas.items()}
-        masters = [r for r in states.values() if r.replica_type == "Master"]
-        decisive = masters or list(states.values())
+        """Succeeded, Failed or Running, from the replicas' states as they are (no poll)."""
+        masters = [r for r in self.replicas.values() if r.replica_type == "Master"]
+        decisive = masters or list(self.replicas.values())
         if decisive and all(r.pod.state.phase == "Succeeded" for r in decisive):
             return "Succeeded"
-        for r in states.values():
-            st = r.pod.state
-            if st.phase == "Failed":
-                if r.restart_policy == "Never" or (r.restart_policy == "ExitCode" and (st.exit_code or 0) < 128):
-                    return "Failed"
-                if self._backoff_exhausted(r):
-                    return "Failed"
-        return "Running"
+        return "Failed" if self._first_blocked() is not None else "Running"
 
     @property
     def phase(self) -> str:

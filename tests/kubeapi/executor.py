@@ -18,9 +18,15 @@ pytorchjob_controller.go` (UpdateJobStatus) and `pkg/controller.v1/common/job.go
 `filterOutCondition` semantics are copied (Running and Restarting replace each other, a
 terminal condition sets Running to False, nothing changes after Failed).
 
-Deviations (documented in docs/kubeapi.md): restarts are counted per job: a failure that
-would need restart number backoffLimit+1 fails the job (training-operator counts the
-restartCount of running pods, which is racy); once the job is terminal no container is
+runPolicy.backoffLimit means what it means to `gem.launcher.local.LocalPyTorchJob` (the rule is
+its `backoff_exhausted`): v1.9's PastBackoffLimit fails the job once the summed restartCount of
+its OnFailure/Always pods that have not succeeded reaches the limit (is > 0 for 0); the restart
+that would reach it is not made, so a limit of n allows n - 1 restarts (none for 0 or 1). ExitCode
+recreations (exit codes >= 128) are counted apart, up to backoffLimit of them. No limit when unset.
+
+Deviations (documented in docs/kubeapi.md): a failure is decided when it is seen, a scheduled
+restart (CrashLoopBackOff) already counting (training-operator reads the restartCount of running
+pods after the kubelet restarted them, which is racy); once the job is terminal no container is
 restarted; `Always` behaves like `OnFailure`; init containers and sidecars are not run.
 """
 
@@ -35,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from gem.launcher.env import decode_secret, replica_name, training_operator_env, container_port
-from gem.launcher.local import LocalPod, decode_configmap, free_port, now_iso
+from gem.launcher.local import IN_PLACE_POLICIES, LocalPod, backoff_exhausted, decode_configmap, free_port, now_iso
 
 from .errors import ApiError
 from .store import ResourceType, Store
@@ -68,7 +74,7 @@ class PodRun:
 @dataclass
 class JobState:
     master_port: int
-    restarts: int = 0
+    exit_code_restarts: int = 0  # ExitCode recreations (a recreated pod starts at restartCount 0)
     cleaned: bool = False
     started: float | None = None  # monotonic time of startTime (startTime has 1 s resolution)
     runs: dict[str, PodRun] = field(default_factory=dict)  # pod name -> run
@@ -506,12 +512,13 @@ class PyTorchJobExecutor:
                 retryable = run.restart_policy in ("OnFailure", "Always") or (
                     run.restart_policy == "ExitCode" and (st.exit_code or 0) >= 128)
                 if retryable:
-                    if backoff is not None and js.restarts >= int(backoff):
+                    made = js.exit_code_restarts if run.restart_policy == "ExitCode" else self._in_place_restarts(js)
+                    if backoff_exhausted(backoff, run.restart_policy, made):
                         run.exhausted = True
                         result = "backoff"
                     else:
-                        js.restarts += 1
                         if run.restart_policy == "ExitCode":
+                            js.exit_code_restarts += 1
                             # the operator deletes the pod; the next reconcile recreates it
                             self._report(run)
                             run.reported = ("recreate",)
@@ -534,6 +541,13 @@ class PyTorchJobExecutor:
                 except ApiError:
                     pass
         return result
+
+    @staticmethod
+    def _in_place_restarts(js: JobState) -> int:
+        """The summed restartCount of the job's OnFailure/Always pods that have not succeeded,
+        a restart already scheduled (CrashLoopBackOff) counting as made."""
+        return sum(r.pod.state.restart_count + (r.restart_at is not None) for r in js.runs.values()
+                   if r.restart_policy in IN_PLACE_POLICIES and r.pod.state.phase != "Succeeded")
 
     def _report(self, run: PodRun) -> None:
         st = run.pod.state

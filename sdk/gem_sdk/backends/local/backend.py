@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,23 @@ class LocalBackend(Backend):
         return store.job_dir(self.root, kind, namespace, name)
 
     def _read(self, kind: str, namespace: str, name: str) -> Resource:
-        body = store.read_yaml(self._dir(kind, namespace, name) / store.OBJECT_FILE)
-        if body is None:
-            raise NotFoundError(f"{describe(kind, namespace, name)} not found (local root {self.root})",
-                                kind=kind, namespace=namespace, name=name)
-        return from_wire(body)
+        """The job's resource.
+
+        Raises:
+            NotFoundError: there is no such job.
+            BackendError: its object.yaml cannot be read (`delete` still removes the job).
+        """
+        ref = {"kind": kind, "namespace": namespace, "name": name}
+        try:
+            body = store.read_yaml(self._dir(kind, namespace, name) / store.OBJECT_FILE)
+            if body is None:
+                raise NotFoundError(f"{describe(kind, namespace, name)} not found (local root {self.root})", **ref)
+            return from_wire(body)
+        except NotFoundError:
+            raise
+        except BackendError as e:
+            raise BackendError(f"{describe(kind, namespace, name)} cannot be read: {e}; `delete` removes it",
+                               **ref) from None
 
     def _supervisor_pid(self, d: Path) -> int | None:
         try:
@@ -284,11 +297,16 @@ class LocalBackend(Backend):
         match_labels(label_selector, {})  # a bad selector fails even when there are no jobs
         for k in kinds:
             for d in store.iter_job_dirs(self.root, k, ns):
-                body = store.read_yaml(d / store.OBJECT_FILE)
-                if body is None:  # deleted meanwhile
+                try:
+                    body = store.read_yaml(d / store.OBJECT_FILE)
+                    if body is None:  # deleted meanwhile
+                        continue
+                    obj = from_wire(body)
+                except BackendError as e:  # one unreadable job must not hide the others
+                    warnings.warn(f"skipping the local job in {d}: {e}; `delete` removes it", stacklevel=2)
                     continue
                 if match_labels(label_selector, (body.get("metadata") or {}).get("labels") or {}):
-                    out.append(from_wire(body))
+                    out.append(obj)
         return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
 
     def _stop(self, d: Path) -> None:
@@ -309,7 +327,10 @@ class LocalBackend(Backend):
                     pass
         # Replicas the supervisor could not stop (it was killed or had crashed): each runs in its
         # own process group, named by its pid in pods.yaml.
-        pods = (store.read_yaml(d / store.PODS_FILE) or {}).get("items") or []
+        try:
+            pods = (store.read_yaml(d / store.PODS_FILE) or {}).get("items") or []
+        except store.UnreadableFileError:
+            pods = []
         for pod in pods:
             pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get("gem.dev/local-pid")
             state = ((pod.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
@@ -321,11 +342,18 @@ class LocalBackend(Backend):
 
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
-        obj = self._read(kind, ns, name)
         d = self._dir(kind, ns, name)
+        try:
+            obj: Resource | None = self._read(kind, ns, name)
+        except NotFoundError:
+            if not d.is_dir():
+                raise
+            obj = None  # no object.yaml: what a submit killed half-way left, which holds the name
+        except BackendError:
+            obj = None  # unreadable: removed all the same (a claim of its own cannot be named, and stays)
         self._stop(d)
         shutil.rmtree(d, ignore_errors=True)
-        claim = obj.metadata.annotations.get(ANNOTATION_LOCAL_CLAIM)
+        claim = obj.metadata.annotations.get(ANNOTATION_LOCAL_CLAIM) if obj is not None else None
         if claim:
             shutil.rmtree(store.claims_dir(self.root) / claim, ignore_errors=True)
 
@@ -348,16 +376,22 @@ class LocalBackend(Backend):
         deadline = None if timeout is None else time.monotonic() + timeout
         seen: tuple[int, int] | None = None
         obj = self._read(kind, ns, name)
+        uid = obj.metadata.uid
+        gone = NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting", kind=kind, namespace=ns, name=name)
         while True:
             try:
                 s = path.stat()
                 stamp = (s.st_mtime_ns, s.st_ino)
             except FileNotFoundError:
-                raise NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting",
-                                    kind=kind, namespace=ns, name=name) from None
+                raise gone from None
             if stamp != seen:
                 seen = stamp
-                obj = self._read(kind, ns, name)
+                try:
+                    obj = self._read(kind, ns, name)
+                except NotFoundError:
+                    raise gone from None
+                if obj.metadata.uid != uid:  # deleted and submitted again: another job
+                    raise gone
                 if callback is not None:
                     callback(obj)
                 if wait_done(obj, phases):
@@ -366,6 +400,8 @@ class LocalBackend(Backend):
                 pid = self._supervisor_pid(d)
                 if pid is not None and not _supervisor_running(pid) and phase_of(obj) != Phase.suspended.value:
                     final = self._read(kind, ns, name)  # it may have written just before exiting
+                    if final.metadata.uid != uid:
+                        raise gone
                     if wait_done(final, phases):
                         return final
                     raise BackendError(
@@ -552,9 +588,15 @@ class LocalBackend(Backend):
         return False
 
     def _tail(self, d: Path, pod: str, log: Path, follow: bool) -> Iterator[str]:
+        """The lines of the container writing `log`; with `follow`, until that container exits, as
+        `kubectl logs -f` does: its pod is terminated in pods.yaml, or the log was moved away (a
+        restart moves it to `<log>.previous` once its process has exited; the job deleted). What
+        the container wrote is read to the end first. A restarted container is a new one: calling
+        `logs` again reads it."""
         f = open(log, "rb")
         inode = os.fstat(f.fileno()).st_ino
         buf = b""
+        ending = False
         try:
             while True:
                 chunk = f.read(65536)
@@ -564,21 +606,14 @@ class LocalBackend(Backend):
                     for line in lines:
                         yield line.decode(errors="replace")
                     continue
-                if not follow:
+                if not follow or ending:
                     break
                 try:
-                    if os.stat(log).st_ino != inode:  # restarted: the new container's log
-                        f.close()
-                        f = open(log, "rb")
-                        inode = os.fstat(f.fileno()).st_ino
-                        continue
+                    moved = os.stat(log).st_ino != inode
                 except FileNotFoundError:
-                    break  # deleted
-                if not self._pod_running(d, pod):
-                    chunk = f.read()
-                    buf += chunk
-                    if not chunk:
-                        break
+                    moved = True
+                if moved or not self._pod_running(d, pod):
+                    ending = True  # it has exited: read what it left, then stop
                     continue
                 time.sleep(POLL_S / 2)
             if buf:

@@ -16,6 +16,8 @@
         logs/<pod>.log                   each pod's log (`<pod>.log.previous` before a restart)
 
 Readers never lock: every file is replaced atomically, so a reader sees the old or the new one.
+A file that holds no YAML mapping all the same (a crash, an edit) raises `UnreadableFileError`;
+`list` skips such a job with a warning, and `delete` removes it.
 Writers of `object.yaml` (the supervisor's status, the SDK's update/suspend/resume) read, modify
 and write it under `locked(job_dir)`, so neither loses the other's change.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import yaml
 
 from gem.api.types import KINDS
+from gem_sdk._exceptions import BackendError
 
 OBJECT_FILE = "object.yaml"
 CONFIGMAP_FILE = "configmap.yaml"
@@ -80,13 +83,27 @@ def write_yaml(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
+class UnreadableFileError(BackendError):
+    """A state file that exists but holds no YAML mapping (truncated, or edited by hand)."""
+
+
 def read_yaml(path: Path) -> dict[str, Any] | None:
-    """The file's mapping, or None if it does not exist (or vanished: a job deleted meanwhile)."""
+    """The file's mapping, or None if it does not exist (or vanished: a job deleted meanwhile).
+
+    Raises:
+        UnreadableFileError: it exists but is not a YAML mapping (empty, truncated, edited).
+    """
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UnreadableFileError(f"{path} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(data, dict):
+        raise UnreadableFileError(f"{path} holds no YAML mapping ({'empty' if data is None else type(data).__name__})")
+    return data
 
 
 def iter_job_dirs(root: Path, kind: str, namespace: str | None) -> Iterator[Path]:

@@ -10,9 +10,16 @@ and keeps on disk, like the training operator and the gem operator do on a clust
 * `object.yaml` status: mirrored from the two above with `gem.api.status`, the trainer's
   termination report applied when the job ends (metrics, ne, latestCheckpoint, mlflow, progress).
 
-A failed replica restarts the whole gang (every replica, in place) while fewer than
-`runPolicy.backoffLimit` restarts were made; `activeDeadlineSeconds` is enforced. SIGTERM (sent
-by `delete`) stops every replica and exits without writing.
+A failed replica restarts the whole gang (every replica, in place), so the trainers meet afresh at
+the local c10d rendezvous; whether it may is `LocalPyTorchJob.restart_blocked`'s decision, the
+launcher's training-operator v1.9 rule: only the replicas that failed count a restart (their
+restartCount goes up; the others are restarted without counting, as on a cluster they would have
+kept running), and the job fails instead of restarting once the replicas' summed restartCount
+would reach `runPolicy.backoffLimit` (is > 0 for 0): a limit of n allows n - 1 restarts, none for
+0 or 1; no limit when it is unset (GEM resources always set it, default 3). Never, and ExitCode
+under 128, fail at once; ExitCode restarts are counted apart, up to `backoffLimit` of them.
+`activeDeadlineSeconds` is enforced. SIGTERM (sent by `delete`) stops every replica and exits
+without writing.
 
 Suspension follows `spec.suspend` of `object.yaml` (set by `LocalBackend.update`): the supervisor
 stops every replica (the checkpoints stay in the job's claim), records Suspended and exits;
@@ -23,12 +30,14 @@ checkpoint by themselves. Every read-modify-write of `object.yaml` holds `store.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +62,33 @@ class _Stop(Exception):
     pass
 
 
+#: While > 0, SIGTERM/SIGINT only mark a stop as pending (see `_signals_deferred`).
+_deferring = 0
+_stop_pending = False
+
+
 def _on_signal(signum: int, _frame: Any) -> None:
+    global _stop_pending
+    if _deferring:
+        _stop_pending = True
+        return
     raise _Stop()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold a stop back while replicas are stopped and started, and raise it after. Raised inside
+    `subprocess.Popen`, it would leave a started replica its `LocalPod` never learnt the process
+    of, which nothing would stop then (`delete` right after `submit` left such orphans)."""
+    global _deferring, _stop_pending
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _stop_pending:
+        _stop_pending = False
+        raise _Stop()
 
 
 class Supervisor:
@@ -72,9 +106,7 @@ class Supervisor:
             claims_dir=store.claims_dir(root),
         )
         run_policy = self.job["spec"].get("runPolicy") or {}
-        self.backoff_limit = int(run_policy.get("backoffLimit") if run_policy.get("backoffLimit") is not None else 3)
         self.deadline_s = run_policy.get("activeDeadlineSeconds")
-        self.restarts = 0
         self.job_status: dict[str, Any] = dict(self.job.get("status") or {})
         self.started = 0.0
         self.suspended = False  # pods are gone while suspended, as on a cluster
@@ -225,8 +257,9 @@ class Supervisor:
                     return True
         except FileNotFoundError:
             raise _Stop() from None
-        for info in self.run.replicas.values():  # resumed while stopping: start the gang again
-            info.pod.restart()
+        with _signals_deferred():
+            for info in self.run.replicas.values():  # resumed while stopping: start the gang again
+                info.pod.restart(count=False)  # not a failure: on a cluster, new pods
         return False
 
     # ------------------------------------------------------------------ lifecycle
@@ -251,7 +284,8 @@ class Supervisor:
         self.job_status["startTime"] = st.now()
         if any(c.get("type") == "Suspended" and c.get("status") == "True" for c in self.job_status.get("conditions", [])):
             self._cond("Suspended", "False", "PyTorchJobResumed", f"PyTorchJob {self.name} is resumed.")
-        self.run.start()
+        with _signals_deferred():
+            self.run.start()
         self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
         self.write()
 
@@ -276,26 +310,31 @@ class Supervisor:
             self._finish("Failed", "DeadlineExceeded",
                          f"PyTorchJob {self.name} has failed because it was active longer than specified deadline")
             return True
-        if any(s.phase == "Failed" for s in states.values()):
-            why = self._failed_replicas()
-            if self.restarts >= self.backoff_limit:
+        failed = {n for n, s in states.items() if s.phase == "Failed"}
+        if failed:
+            # The launcher's rule (training-operator v1.9's PastBackoffLimit) decides, with every
+            # failed replica counted: the others are restarted below only for the gang's sake.
+            blocked = self.run.restart_blocked(self.run.replicas[n] for n in failed)
+            if blocked is not None:
                 # The other replicas usually fail too in a moment: let them, so their own
                 # termination reports (the trainer's error) are kept rather than killed.
                 self._settle(FAILURE_GRACE_S)
-                why = self._failed_replicas()
                 self._finish("Failed", "PyTorchJobFailed",
-                             f"PyTorchJob {self.name} is failed because {why} "
-                             f"(backoffLimit {self.backoff_limit} reached).")
+                             f"PyTorchJob {self.name} is failed because {self._failed_replicas()} "
+                             f"({blocked.message}).")
                 return True
-            self.restarts += 1
+            why = self._failed_replicas()
+            limit = self.run.backoff_limit
+            counted = self.run.restarts + len(failed)
             self._cond("Running", "False", "PyTorchJobRestarting", why)
             self._cond("Restarting", "True", "PyTorchJobRestarting",
-                       f"PyTorchJob {self.name} is restarting because {why} "
-                       f"(restart {self.restarts} of {self.backoff_limit}).")
+                       f"PyTorchJob {self.name} is restarting because {why} ({counted} restart(s) counted, "
+                       + (f"backoffLimit {limit})." if limit is not None else "no backoffLimit)."))
             self.write()
-            self.run.stop()  # gang restart: every replica, so the rendezvous starts afresh
-            for info in self.run.replicas.values():
-                info.pod.restart()
+            with _signals_deferred():
+                self.run.stop()  # gang restart: every replica, so the rendezvous starts afresh
+                for n, info in self.run.replicas.items():
+                    info.pod.restart(count=n in failed)
             self._cond("Restarting", "False", "PyTorchJobRestarting", "")
             self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
         self.write()
