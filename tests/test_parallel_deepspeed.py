@@ -156,3 +156,71 @@ def test_zero3_cannot_keep_shards_outside_deepspeed(results):
     for res in results:
         dimension, message = res["zero3-split"]
         assert dimension == "zero_stage" and "zero_stage 1 or 2, not 3" in message
+
+
+# ---------------------------------------------------------------------------- a step DeepSpeed skips
+
+
+def _nan_step(rank: int, world: int) -> dict:
+    """ep=2 x sparse_shard=2 at ZeRO-1 as gem train runs it (gem/train/optim.py ShardOptimizer): one step whose
+    gradients are NaN (a NaN label), then a normal one."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    from gem.api.types import TrainingSpec
+    from gem.parallel.deepspeed_config import (
+        deepspeed_config_fragment,
+        prepare_deepspeed,
+        reset_deepspeed_groups,
+        split_for_deepspeed,
+    )
+    from gem.parallel.mesh import build_mesh
+    from gem.parallel.parallelize import parallelize
+    from gem.train.optim import ShardOptimizer, build_optimizer
+
+    ds_logger.setLevel("ERROR")
+    plan = ParallelPlan(world_size=world, dp_shard=2, ep=2, sparse_shard=2, zero_stage=1)
+    mesh = build_mesh(plan)
+    torch.manual_seed(0)
+    model = parallelize(TinyModel(), plan, mesh)
+    mpu = prepare_deepspeed(plan, mesh)
+    dense, shards = split_for_deepspeed(model, plan, mesh)
+    training = TrainingSpec(steps=10, warmup_steps=0, grad_clip=1.0, learning_rate=0.1)
+    shard_opt = ShardOptimizer(model, shards, mesh, training)
+    optimizer, scheduler = build_optimizer(model, training, params=dense)
+    per = GLOBAL_BATCH // world
+    config = {**deepspeed_config_fragment(plan, micro_batch_size=per), "gradient_clipping": 1.0,
+              "steps_per_print": 10**9}
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=config, mpu=mpu)
+    shard_opt.attach(engine)
+
+    def step(i: int, nan: bool) -> None:
+        batch = make_batch(i, rank * per, (rank + 1) * per)
+        if nan:
+            batch.label[0] = float("nan")
+        engine.backward(loss_fn(engine(batch), batch))
+        shard_opt.sync()
+        engine.step()
+        shard_opt.step(engine)
+
+    before = [p.detach().clone() for p in shards]
+    step(0, nan=True)
+    out = {"skipped": engine.skipped_steps, "unchanged": all(torch.equal(a, p) for a, p in zip(before, shards)),
+           "schedules": (scheduler.last_epoch, shard_opt.scheduler.last_epoch)}
+    step(1, nan=False)
+    out.update(finite=all(bool(torch.isfinite(p).all()) for p in shards),
+               schedules_after=(scheduler.last_epoch, shard_opt.scheduler.last_epoch))
+    engine.destroy()
+    reset_deepspeed_groups()
+    return out
+
+
+def test_a_step_deepspeed_skips_leaves_the_shards_alone():
+    """DeepSpeed skips a step with an inf / NaN gradient norm (weights and LR schedule as they were);
+    the expert and embedding-row shards must skip it too, not take NaN gradients into AdamW."""
+    for res in run_distributed(_nan_step, 2, timeout=120, env={"DS_ACCELERATOR": "cpu"}):
+        assert res["skipped"] == 1, res
+        assert res["unchanged"] and res["schedules"] == (0, 0), res
+        assert res["finite"] and res["schedules_after"] == (1, 1), res

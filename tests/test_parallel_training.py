@@ -168,3 +168,38 @@ def test_matches_single_process(case, ref):
         assert "ep on 1 ensembles" in applied
     if kwargs.get("cp", 1) > 1:
         assert "cp on" in applied
+
+
+# ---------------------------------------------------------------------------- the shards' share of the global norm
+
+
+def _shard_norm_sq(rank: int, world: int, plan_kwargs: dict) -> float:
+    """gem.train.optim.ShardOptimizer's squared norm of the expert and embedding-row shards after one backward."""
+    from gem.api.types import TrainingSpec
+    from gem.parallel.parallelize import grad_group
+    from gem.train.optim import ShardOptimizer
+
+    plan = ParallelPlan(world_size=world, **plan_kwargs)
+    mesh = build_mesh(plan)
+    torch.manual_seed(0)
+    model = parallelize(TinyModel(), plan, mesh)
+    shards = [p for p in model.parameters() if grad_group(p) != "data"]
+    opt = ShardOptimizer(model, shards, mesh, TrainingSpec())
+    coords = plan.coords(rank)
+    shard = (coords["dp_replicate"] * plan.dp_shard_mod_ep + coords["dp_shard_mod_ep"]) * plan.ep + coords["ep"]
+    per = GLOBAL_BATCH // (plan.dp_replicate * plan.dp_shard)
+    batch = make_batch(0, shard * per, (shard + 1) * per)
+    loss_fn(model(batch), batch).backward()
+    opt.sync()
+    return float(opt._norm_sq)
+
+
+@pytest.mark.parametrize("plan_kwargs", [dict(dp_shard=4, ep=2, sparse_shard=2),
+                                         dict(dp_shard=2, ep=2, tp=2, sparse_shard=2)], ids=["dp", "dp-tp"])
+def test_shard_optimizer_counts_each_shard_once_in_the_global_norm(plan_kwargs, ref):
+    """tp peers hold the same (unsplit) experts and embedding rows: counted once each, the clipping
+    norm is the single process's, whatever tp is."""
+    want = sum(float(g.double().pow(2).sum()) for name, g in ref["grads"].items()
+               if name.startswith("experts.") or name == "user.weight")
+    got = run_distributed(_shard_norm_sq, 4, plan_kwargs)
+    assert got == pytest.approx([want] * 4, rel=1e-5)

@@ -88,3 +88,35 @@ def test_training_runs(tmp_path, trainer_env, precision, zero):
     assert cli.main(["train", "--config", str(path)]) == 0
     report = json.loads((tmp_path / "termination-log").read_text())
     assert report["step"] == 4 and report["metrics"]["loss"] is not None and report["metrics"]["loss"] < 5
+
+
+def _tp_shards_of_an_mxfp8_linear(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    from gem.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    linear = MXFP8Linear.from_linear(torch.nn.Linear(64, 64))
+    x = torch.randn(16, 64)
+    col = ColumnParallelLinear.from_linear(linear, dist.group.WORLD, gather_output=True)  # 32 outputs each
+    row = RowParallelLinear.from_linear(linear, dist.group.WORLD)  # 32 inputs each
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full, plain = linear(x).float(), F.linear(x, linear.weight, linear.bias).float()
+        col_out, row_out = col(x).float(), row(x.chunk(world, dim=-1)[rank]).float()
+
+    def rel(a: torch.Tensor) -> float:
+        return float((a - full).norm() / full.norm())
+
+    return {"column": rel(col_out), "row": rel(row_out), "plain": rel(plain)}
+
+
+def test_tensor_parallel_shards_of_an_mxfp8_linear_stay_mxfp8():
+    """tp replaces the layers it splits: their shards must keep the MXFP8 matmul (the attention
+    projections and FFNs tp splits are the layers mxfp8 is for), not fall back to a bf16 F.linear."""
+    from gem.parallel.testing import run_distributed
+
+    for res in run_distributed(_tp_shards_of_an_mxfp8_linear, 2, timeout=120):
+        assert res["plain"] > 0.01, res  # MXFP8's own error: what a bf16 shard would differ by
+        assert res["column"] == 0.0, res  # the same blocks of 32 along the inputs: the same numbers
+        assert res["row"] < 0.2 * res["plain"], res  # bf16 partial sums, all-reduced

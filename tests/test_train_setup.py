@@ -177,6 +177,79 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert report["step"] == 6 and report["checkpoint"] == str(job / "step-00000006")
 
 
+def test_a_zero_stage_changed_since_the_checkpoints_is_a_config_error_naming_it(tmp_path, capsys):
+    """DeepSpeed's own error here is a bare `AssertionError: `; the run must say what changed and the fix."""
+    os.environ["GEM_FAULT_AT_STEP"] = "2"
+    assert cli.main(["train", "--config", str(manifest(tmp_path, "restaged", parallelism={"zeroStage": 1}))]) == 1
+    del os.environ["GEM_FAULT_AT_STEP"]
+    path = manifest(tmp_path, "restaged", parallelism={"zeroStage": 3})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.parallelism.zeroStage is 3, was 1")
+    error = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert "step-00000002" in error and "Set them back, or start from scratch" in error
+
+
+def test_the_start_line_counts_the_whole_model_under_zero3(tmp_path, caplog):
+    """ZeRO-3 leaves each rank's parameters empty (numel 0) once DeepSpeed partitions them."""
+    from gem.api import parse_object
+    from gem.model import build_model
+
+    path = manifest(tmp_path, "count", steps=1, every=1, parallelism={"zeroStage": 3})
+    whole = sum(p.numel() for p in build_model(parse_object(yaml.safe_load(path.read_text())).spec.model).parameters())
+    with caplog.at_level("INFO", logger="gem.train"):
+        assert cli.main(["train", "--config", str(path)]) == 0
+    assert f"zero_stage=3 precision=fp32 params={whole} " in caplog.text
+
+
+def test_each_step_logs_the_learning_rate_it_trained_with(tmp_path, monkeypatch, caplog):
+    """Warmup 2 then cosine over 3 steps: steps 1, 2, 3 train at 0.5, 1 and 1 x the peak (the cosine's
+    floor, 0.1 x, would be the rate of a 4th step)."""
+    from gem.train.trainer import Tracker
+
+    logged = {}
+    monkeypatch.setattr(Tracker, "log_step", lambda self, step, metrics: logged.update(
+        {step: metrics["train/lr"]} if "train/lr" in metrics else {}))
+    path = manifest(tmp_path, "rates", steps=3, every=3, training={"warmupSteps": 2, "learningRate": 0.004})
+    with caplog.at_level("INFO", logger="gem.train"):
+        assert cli.main(["train", "--config", str(path)]) == 0
+    assert logged == pytest.approx({1: 0.002, 2: 0.004, 3: 0.004})
+    assert "step step=3 total_steps=3 lr=0.004 " in caplog.text
+
+
+def _saved_checkpoint(tmp_path, spec: dict, ranks: int) -> Path:
+    ckpt = tmp_path / "step-00000002"
+    (ckpt / "rng").mkdir(parents=True)
+    for r in range(ranks):
+        (ckpt / "rng" / f"rank-{r:05d}.pt").write_bytes(b"")
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"}, "spec": spec}
+    (ckpt / checkpoint.MANIFEST_FILE).write_text(yaml.safe_dump(obj))
+    return ckpt
+
+
+def _spec(**parts):
+    from gem.api import parse_object
+
+    return parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"},
+                         "spec": parts}).spec
+
+
+def test_setup_changes_name_what_deepspeeds_files_depend_on(tmp_path):
+    saved = _spec(training={"precision": "bf16"}, parallelism={"zeroStage": 2, "procsPerNode": 2}).to_wire()
+    ckpt = _saved_checkpoint(tmp_path, saved, ranks=2)
+    same = _spec(training={"precision": "mxfp8"}, parallelism={"zeroStage": 2, "procsPerNode": 2})
+    assert checkpoint.setup_changes(ckpt, same, world_size=2) == []  # mxfp8 writes bf16's files
+    changed = _spec(training={"precision": "fp32"}, parallelism={"zeroStage": 2, "plan": {"dpShard": 4}})
+    assert checkpoint.setup_changes(ckpt, changed, world_size=4) == [
+        "spec.training.precision is fp32, was bf16",
+        "spec.parallelism.plan is {'dpShard': 4}, was automatic",
+        "the world size (spec.parallelism.numNodes x procsPerNode) is 4, was 2",
+    ]
+    # ZeRO-0 keeps the whole optimizer in one file: any world size resumes it
+    zero0 = _spec(parallelism={"zeroStage": 0})
+    ckpt0 = _saved_checkpoint(tmp_path / "z0", zero0.to_wire(), ranks=2)
+    assert checkpoint.setup_changes(ckpt0, zero0, world_size=1) == []
+    assert checkpoint.setup_changes(tmp_path / "no-such-dir", zero0, world_size=1) == []
+
+
 def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path, monkeypatch):
     """Every file and directory of a checkpoint is fsynced before it is renamed; the job dir after the
     rename; COMPLETE last; older checkpoints are deleted only then."""

@@ -16,13 +16,16 @@ nothing to the gradient sync: the data group (plan.py) excludes tp.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+log = logging.getLogger("gem.parallel")
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -70,6 +73,20 @@ class _GatherFromRegion(torch.autograd.Function):
         return grad.chunk(n, dim=-1)[r].contiguous(), None
 
 
+def _matmul_of(linear: nn.Linear, local_weight: torch.Tensor) -> Callable:
+    """The matmul a shard of `linear` keeps: its class's own `matmul` (gem.train.precision.MXFP8Linear's) when
+    the shard's widths are still multiples of the class's `matmul_block`, else F.linear (with a warning)."""
+    matmul = getattr(type(linear), "matmul", None)
+    if matmul is None:
+        return F.linear
+    block = getattr(type(linear), "matmul_block", 1)
+    if any(n % block for n in local_weight.shape):
+        log.warning("tp: a %dx%d shard of a %s is not made of whole %d-wide blocks: it runs as a plain linear",
+                    *local_weight.shape, type(linear).__name__, block)
+        return F.linear
+    return matmul
+
+
 def _mark_sharded(param: nn.Parameter, dim: int) -> None:
     """Megatron's attributes: DeepSpeed's gradient-norm clipping counts such a parameter on every tp rank
     (each holds a different shard) and a replicated one only on tp rank 0."""
@@ -88,6 +105,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
         self.in_features, self.out_features, self.group, self.gather_output = in_features, out_features, group, gather_output
         self.groups = 1  # stacked output blocks split separately (from_linear's groups)
+        self.matmul = F.linear  # from_linear keeps the replaced layer's own (MXFP8)
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
         _mark_sharded(self.weight, 0)
@@ -117,6 +135,7 @@ class ColumnParallelLinear(nn.Module):
             mod.weight.copy_(local(linear.weight))
             if linear.bias is not None:
                 mod.bias.copy_(local(linear.bias))
+        mod.matmul = _matmul_of(linear, mod.weight)
         return mod
 
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -125,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([b[g] for g in range(self.groups) for b in blocks], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(_CopyToRegion.apply(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        y = self.matmul(_CopyToRegion.apply(x, self.group), self.weight, self.bias)  # [..., out/tp]
         if self.gather_output and self.groups > 1:
             raise ValueError("gather_output of a grouped (fused q/k/v) split would interleave the blocks")
         return _GatherFromRegion.apply(y, self.group) if self.gather_output else y
@@ -145,6 +164,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # replicated, added once
+        self.matmul = F.linear  # from_linear keeps the replaced layer's own (MXFP8)
         _mark_sharded(self.weight, 1)
 
     @classmethod
@@ -156,10 +176,11 @@ class RowParallelLinear(nn.Module):
             mod.weight.copy_(linear.weight.chunk(tp, dim=1)[r])
             if linear.bias is not None:
                 mod.bias.copy_(linear.bias)
+        mod.matmul = _matmul_of(linear, mod.weight)
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromRegion.apply(F.linear(x, self.weight), self.group)  # [..., out]
+        y = _ReduceFromRegion.apply(self.matmul(x, self.weight, None), self.group)  # [..., out]
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -35,6 +35,7 @@ import random
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,61 @@ def resume_candidates(env: DistEnv, job: Path, uid: str | None = None) -> list[P
                     "(use a shared volume, checkpoint.claimName, for multi-node resume)", chosen[0])
         return []
     return [Path(c) for c in chosen]
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    """Why torch.load would fail on `path`, found cheaply; None when it looks whole."""
+    try:
+        if zipfile.is_zipfile(path):  # torch's format: a file cut short has lost the zip directory at its end
+            with zipfile.ZipFile(path):
+                return None
+        torch.load(path, map_location="cpu", weights_only=False)  # legacy format, or a damaged zip: load it
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+        return f"{path}: {type(e).__name__}: {e}"
+    return None
+
+
+def unreadable(env: DistEnv, ckpt: Path) -> str | None:
+    """Why some rank could not read its files of `ckpt` (the same answer on every rank); None if all can. Collective.
+
+    Checked before DeepSpeed's load, whose collectives sit between reading one rank's files and
+    another's (ZeRO-3 gathers its persistent parameters once each rank has read its own partition):
+    a rank failing on its own file there leaves its peers in a collective it never enters (gloo
+    aborts on the mismatch, NCCL hangs) instead of falling back together. Every torch file a resume
+    reads (all but model.pt) is checked once, the files split across the ranks, the verdicts gathered.
+    """
+    files = sorted(p for p in ckpt.rglob("*.pt") if p != ckpt / MODEL_FILE)
+    problem = next(filter(None, map(_torch_file_problem, files[env.rank::env.world_size])), None)
+    return next(filter(None, all_gather_objects(problem)), None)
+
+
+def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
+    """What DeepSpeed's files depend on that differs between the run that saved `ckpt` and this one
+    (`spec`: the GEMTraining / LoopFMDistill spec): ZeRO stage, precision, parallel plan, world size.
+
+    ["spec.parallelism.zeroStage is 3, was 1", ...]; [] when nothing differs or `ckpt` has no readable gem.yaml.
+    """
+    try:
+        saved = (read_manifest(ckpt) or {}).get("spec") or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    now = spec.to_wire()
+    was_par, now_par = saved.get("parallelism") or {}, now.get("parallelism") or {}
+    was_prec, now_prec = (saved.get("training") or {}).get("precision"), now["training"].get("precision")
+    changes = []
+    if was_par.get("zeroStage") is not None and was_par["zeroStage"] != now_par.get("zeroStage"):
+        changes.append(f"spec.parallelism.zeroStage is {now_par.get('zeroStage')}, was {was_par['zeroStage']}")
+    bf16 = ("bf16", "mxfp8")  # mxfp8 runs DeepSpeed's bf16 mode: the same files
+    if was_prec is not None and was_prec != now_prec and not (was_prec in bf16 and now_prec in bf16):
+        changes.append(f"spec.training.precision is {now_prec}, was {was_prec}")
+    if was_par and was_par.get("plan") != now_par.get("plan"):
+        changes.append(f"spec.parallelism.plan is {now_par.get('plan') or 'automatic'}, "
+                       f"was {was_par.get('plan') or 'automatic'}")
+    ranks = len(list((ckpt / "rng").glob("rank-*.pt")))  # every rank saves its RNG state
+    # ZeRO-0 resumes on any world size; ZeRO partitions and ep / sparse_shard shards do not
+    if ranks and ranks != world_size and (now_par.get("zeroStage") or (ckpt / SHARDS_DIR).is_dir()):
+        changes.append(f"the world size (spec.parallelism.numNodes x procsPerNode) is {world_size}, was {ranks}")
+    return changes
 
 
 def load(engine: Any, env: DistEnv, ckpt: Path) -> dict[str, Any]:

@@ -69,7 +69,11 @@ class ShardOptimizer:
 
         self.shards, self.mesh, self.clip = shards, mesh, float(training.grad_clip or 0.0)
         self.optimizer, self.scheduler = build_optimizer(model, training, params=shards)
-        self.copies = [mesh.size(grad_group(p)) for p in shards]  # ranks holding the same shard
+        # ranks holding the same shard: its replica group, times tp unless tp splits it too (tp peers
+        # hold the same experts and rows: their groups lie inside one tp index)
+        tp = mesh.size("tp")
+        self.copies = [mesh.size(grad_group(p)) * (1 if getattr(p, "tensor_model_parallel", False) else tp)
+                       for p in shards]
         self._norm_sq = torch.zeros(())
 
     def attach(self, engine) -> None:
@@ -109,6 +113,11 @@ class ShardOptimizer:
     @torch.no_grad()
     def step(self, engine) -> None:
         """Clip with the engine's global norm (DeepSpeed's formula), step, advance the schedule, zero the grads."""
+        if getattr(engine.optimizer, "overflow", False):
+            # DeepSpeed skipped this step (inf / NaN gradient norm): weights and LR schedule stay as they
+            # were; so do the shards', whose gradients are likely NaN too
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         if self.clip > 0:
             total = getattr(engine.optimizer, "_global_grad_norm", None)  # set by DeepSpeed's step
             if total is None:

@@ -13,6 +13,8 @@
   Kernels: torchao's real MXFP8 GEMMs on GPUs that have them (compute capability >= 10.0,
   e.g. B200); elsewhere (CPU, H100/H200) the emulated path (quantise -> dequantise -> bf16
   matmul), which is numerically the same and useful for accuracy checks, not speed.
+  Tensor parallelism (gem/parallel/tensor_parallel.py) replaces the Linears it splits by their
+  shards, which keep `MXFP8Linear.matmul` while their widths stay multiples of 32.
 
 torchao is optional (the `train` extra pins it); without it `mxfp8` raises a clear error.
 """
@@ -39,24 +41,39 @@ def mx_kernel_preference(device: torch.device | None = None) -> Any:
     return KernelPreference.EMULATED
 
 
+def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_preference: Any = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with the matmul in MXFP8 (blocks of 32 along both widths of `weight`)."""
+    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    pref = kernel_preference or mx_kernel_preference(weight.device)
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        dtype = torch.bfloat16
+    with torch.autocast(x.device.type, enabled=False):
+        y = _to_mxfp8_then_scaled_mm(x.to(dtype), weight.to(dtype), pref, ScaleCalculationMode.RCEIL, True)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+    return y
+
+
 class MXFP8Linear(nn.Linear):
-    """nn.Linear whose matmul runs in MXFP8 (same parameters, same state dict)."""
+    """nn.Linear whose matmul runs in MXFP8 (same parameters, same state dict).
+
+    `matmul` is the matmul itself: gem.parallel's tensor-parallel layers, which replace a Linear
+    by its shard, take it over (gem/parallel/tensor_parallel.py), so a tp-split layer stays MXFP8.
+    """
 
     kernel_preference: Any = None
+    matmul_block = MX_BLOCK  # a tp shard keeps `matmul` while its widths stay multiples of this
+
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return mxfp8_linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-
-        pref = self.kernel_preference or mx_kernel_preference(self.weight.device)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        if dtype not in (torch.bfloat16, torch.float32):
-            dtype = torch.bfloat16
-        with torch.autocast(x.device.type, enabled=False):
-            y = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), pref, ScaleCalculationMode.RCEIL, True)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        return y
+        return mxfp8_linear(x, self.weight, self.bias, self.kernel_preference)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "MXFP8Linear":

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gem.data import Batch
+from gem.data.errors import SpecError
 from gem.data.sources import load_data
 from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
 from gem.train import checkpoint
@@ -78,6 +79,7 @@ class Trainer:
         self.data = load_data(self.spec.data, max_history=self.task.max_seq_len)
         self.eval_examples = self.data.eval
         model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
+        n_params = sum(p.numel() for p in model.parameters())  # whole: before tp / ep / ZeRO-3 shard it
         self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
         model = self.parallel.model
         plan = self.parallel.job.plan
@@ -107,7 +109,6 @@ class Trainer:
                                              rank=self.parallel.data_rank,
                                              world_size=self.parallel.data_world_size, seed=training.seed)
         if self.env.is_main:
-            n_params = sum(p.numel() for p in model.parameters())
             log.info("job=%s world_size=%d zero_stage=%d precision=%s params=%d train_examples=%d eval_examples=%d",
                      self.job_dir, self.env.world_size, self.spec.parallelism.zero_stage,
                      training.precision, n_params, self.data.num_train_examples(), len(self.eval_examples))
@@ -119,7 +120,9 @@ class Trainer:
         candidates = checkpoint.resume_candidates(self.env, self.job_dir, uid=self.manifest.metadata.uid)
         first_error = None
         for ckpt in candidates:
-            state, error = self._try_load(ckpt)
+            # a file one rank cannot read must be found before DeepSpeed's collective load (checkpoint.unreadable)
+            problem = checkpoint.unreadable(self.env, ckpt)
+            state, error = (None, problem) if problem else self._try_load(ckpt)
             errors = [e for e in all_gather_objects(error) if e]  # every rank must resume from the same one
             if not errors:
                 self.resumed_from = ckpt
@@ -129,8 +132,18 @@ class Trainer:
             first_error = first_error or errors[0]
             log.warning("checkpoint %s does not load (%s): trying the previous complete one", ckpt, errors[0])
         if candidates:
-            raise RuntimeError(f"none of the {len(candidates)} complete checkpoints under {self.job_dir} loads; "
-                               f"the newest, {candidates[0].name}: {first_error}")
+            failed = f"none of the {len(candidates)} complete checkpoints under {self.job_dir} loads; the newest, "
+            # DeepSpeed's own error for a changed setup says nothing useful ("AssertionError: ", "KeyError:
+            # 'dynamic_loss_scale'"): name the spec fields that changed since the checkpoint was saved
+            changes = checkpoint.setup_changes(candidates[0], self.spec, self.env.world_size)
+            if changes:
+                first_line = (first_error.splitlines() or [""])[0][:300]  # a state-dict mismatch lists every key
+                raise SpecError(f"{'; '.join(changes)} when {candidates[0].name} was saved: DeepSpeed resumes its "
+                                "optimizer partitions only with the ZeRO stage, precision, parallel plan and world "
+                                "size that wrote them. Set them back, or start from scratch under another "
+                                f"metadata.name (or move {self.job_dir} away). ({failed}{candidates[0].name}: "
+                                f"{first_line})")
+            raise RuntimeError(f"{failed}{candidates[0].name}: {first_error}")
         return None
 
     def _try_load(self, ckpt: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -225,10 +238,10 @@ class Trainer:
         t0, seen = time.perf_counter(), 0
         while self.step < self.total_steps:
             batch = self.loader.next_batch().to(self.env.device)
+            lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with: engine.step moves the schedule on
             logs = self._train_step(batch)
             self.step += 1
             seen += batch.size
-            lr = self.scheduler.get_last_lr()[0]
             self.tracker.log_step(self.step, {"train/loss": logs["loss"], "train/lr": lr})
             if progress is not None:
                 progress.update(1)
