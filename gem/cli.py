@@ -137,14 +137,36 @@ def _latest_checkpoint(manifest: Any) -> str:
     return str(latest)
 
 
+_CHECKPOINT_DIR = "<checkpoint.path>/<namespace>/<name>/step-NNNNNNNN, holding model.pt and gem.yaml"
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(checkpoint_dir: str) -> Iterator[None]:
+    """A --checkpoint that is missing, or does not load, is a config error (exit 2) naming the flag."""
+    import pickle
+
+    try:
+        yield
+    except OSError as e:  # no such directory, or not a checkpoint (no model.pt / gem.yaml)
+        raise ConfigError(f"--checkpoint {checkpoint_dir}: {e}; pass a checkpoint step directory "
+                          f"({_CHECKPOINT_DIR})") from e
+    except (yaml.YAMLError, ValueError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        # gem.yaml not YAML or not a manifest (pydantic's ValidationError is a ValueError); model.pt
+        # truncated or corrupt (UnpicklingError, RuntimeError from the zip reader), or the weights of
+        # another model than gem.yaml describes (RuntimeError from load_state_dict)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        if isinstance(e, pickle.UnpicklingError):  # torch's text is about weights_only, not the file
+            first = "model.pt is not a PyTorch state dict"
+        raise ConfigError(f"--checkpoint {checkpoint_dir} does not load ({type(e).__name__}: {first}): "
+                          f"it is corrupt, incomplete or not a GEM checkpoint; pass a complete checkpoint step "
+                          f"directory ({_CHECKPOINT_DIR})") from e
+
+
 def _load_checkpoint_model(checkpoint_dir: str) -> Any:
     from gem.train import checkpoint
 
-    try:
+    with _checkpoint_errors(checkpoint_dir):
         model, _ = checkpoint.load_model(checkpoint_dir)
-    except OSError as e:  # no such directory, or not a checkpoint (no model.pt / gem.yaml)
-        raise ConfigError(f"--checkpoint {checkpoint_dir}: {e}; pass a checkpoint step directory "
-                          "(<checkpoint.path>/<namespace>/<name>/step-NNNNNNNN, holding model.pt and gem.yaml)") from e
     return model
 
 
@@ -171,7 +193,9 @@ def _foundation_model(checkpoint_dir: str) -> Any:
     from gem.train import checkpoint
 
     # None: not a checkpoint at all, which _load_checkpoint_model says
-    if checkpoint.checkpoint_kind(checkpoint_dir) == "LoopFMDistill":
+    with _checkpoint_errors(checkpoint_dir):  # a gem.yaml that is not YAML
+        kind = checkpoint.checkpoint_kind(checkpoint_dir)
+    if kind == "LoopFMDistill":
         saved = checkpoint.read_manifest(checkpoint_dir)
         method = ((saved.get("spec") or {}).get("distillation") or {}).get("method", "kd")
         raise ConfigError(f"--checkpoint {checkpoint_dir} holds a LoopFMDistill student (distillation.method {method}), "

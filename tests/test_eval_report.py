@@ -90,6 +90,25 @@ def test_report_without_true_probabilities():
     assert rep["tasks"]["click"]["bayesNe"] is None and rep["tasks"]["click"]["ne"] is not None
 
 
+def test_report_of_nan_predictions_is_strict_json(tmp_path):
+    """A diverged model predicts NaN: the report stays valid JSON (null, never NaN) and still plots."""
+    _, ev = build_splits(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=500))
+    parts = oracle_parts(ev, ranks=2)
+    parts[1]["pred_click"] = np.full(len(parts[1]["pred_click"]), np.nan, np.float32)  # one rank's shard
+    js, png = write_eval_report(parts, ev, tmp_path / "r", metrics={"ne/click": float("nan")}, step=3)
+
+    def no_nan(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rep = json.loads(js.read_text(), parse_constant=no_nan)
+    click = rep["tasks"]["click"]
+    assert click["ne"] is None and click["auc"] is None and click["calibration"] is None
+    curve = click["calibrationCurve"]
+    assert sum(b["n"] for b in curve) == 500 and curve[-1]["meanPred"] is None  # NaN sorts last
+    assert curve[0]["meanPred"] is not None and curve[0]["meanLabel"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_trainer_logs_the_report_and_registers_the_model(tmp_path, trainer_env):
     import mlflow
     from mlflow.tracking import MlflowClient

@@ -74,3 +74,21 @@ def test_report_fits_a_termination_message(tmp_path, monkeypatch):
     report.write(report.error_payload(ValueError("x" * 10000)))
     err = json.loads(path.read_text())["error"]
     assert err.startswith("ValueError: xxx") and len(path.read_bytes()) <= report.MAX_BYTES
+
+
+def test_report_of_many_sources_keeps_the_headline_metrics(tmp_path, monkeypatch):
+    """Per-source keys (`ne/click@src`) go before the headline ones: a mix of many sources still
+    reports ne/click, auc/click, ... (the operator's status) instead of no metrics at all."""
+    path = tmp_path / "termination-log"
+    monkeypatch.setenv(report.ENV_PATH, str(path))
+    base = {f"{kind}/{task}": 0.123456789 for kind in ("ne", "auc", "calibration", "log_loss", "bayes_ne")
+            for task in ("click", "conversion", "dwell")} | {"loss": 1.5, "ne": 0.8, "num_examples": 4000.0}
+    metrics = dict(base)
+    for i in range(12):
+        metrics.update({f"{k}@source-{i:02d}": v for k, v in base.items()})
+    report.write({"metrics": metrics, "ne": 0.8, "step": 3, "parallelPlan": {"reason": "x" * 700}})
+    text = path.read_text()
+    assert len(text.encode()) <= report.MAX_BYTES
+    kept = json.loads(text)["metrics"]
+    assert {"ne/click", "auc/click", "bayes_ne/click", "ne/conversion", "ne", "loss"} <= kept.keys()
+    assert "calibration/click" not in kept and not any("@" in k for k in kept)

@@ -73,6 +73,9 @@ BAD_VALUES = [
     ({"operator": {"podSecurityContext": {"runAsUser": 0}}}, "/operator/podSecurityContext/runAsUser"),
     ({"mlflow": {"trackingUri": "http://user:password@mlflow:5000"}}, "/mlflow/trackingUri"),
     ({"mlflow": {"trackingUri": "https://token@mlflow.example.com"}}, "/mlflow/trackingUri"),
+    # a file store: the trainers refuse it (gem/train/tracking.py), so the chart does too
+    ({"mlflow": {"trackingUri": "file:///mnt/mlruns"}}, "/mlflow/trackingUri"),
+    ({"mlflow": {"trackingUri": "/mnt/mlruns"}}, "/mlflow/trackingUri"),
     ({"mlflow": {"credentialsSecret": "Not_A_Name"}}, "/mlflow/credentialsSecret"),
     ({"mlflow": {"password": "hunter2"}}, "password"),  # no place for credentials in values
     ({"kueue": {"enabled": "yes"}}, "/kueue/enabled"),
@@ -118,7 +121,7 @@ GOOD_VALUES = [
     {"mlflow": {"trackingUri": "http://mlflow.mlflow.svc.cluster.local:5000"}},
     {"mlflow": {"trackingUri": "https://mlflow.example.com/api?x=1", "uiUrl": "https://mlflow.example.com"}},
     {"mlflow": {"trackingUri": "databricks"}},
-    {"mlflow": {"trackingUri": "file:///mnt/mlruns"}},
+    {"mlflow": {"trackingUri": "sqlite:////mnt/mlruns/mlflow.db"}},
     {"mlflow": {"credentialsSecret": "mlflow-credentials"}},
     {"operator": {"image": {"digest": "sha256:" + "0" * 64}}},
     {"operator": {"resources": {"requests": {"cpu": 1, "memory": "1.5Gi"}, "limits": {"cpu": "500m"}}}},

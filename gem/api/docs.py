@@ -22,7 +22,7 @@ gemtraining.spec.training` shows the same descriptions.
 
 Rules the schema cannot express are checked by the operator, which reports them as a `Valid=False`
 condition and a Warning Event naming the field: `model.embeddingDim` divisible by `model.numHeads`;
-`data.path` required for `data.source: parquet`; no credentials inside `mlflow.trackingUri`; exactly one
+`data.path` required for `data.source: parquet`; no credentials inside `mlflow.trackingUri`, and no MLflow file store there; exactly one
 of `teacher.gemTraining`, `teacher.checkpoint`, `teacher.mlflowModelUri`.
 
 While a job exists only `spec.suspend` may change; other changes are rejected with the condition

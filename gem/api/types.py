@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 from enum import Enum
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -336,12 +337,22 @@ class CheckpointSpec(ApiModel):
     keep_last: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+def is_file_store(uri: str) -> bool:
+    """Whether an MLflow tracking URI names a file store: `file:///mnt/mlruns`, or a plain directory.
+    Such a store keeps each metric in a file named after it, so the trainer's `ne` and `ne/click`
+    (a file and a directory of one name) cannot both be logged there."""
+    if uri in ("databricks", "databricks-uc", "uc"):  # MLflow's scheme-less names of remote stores
+        return False
+    return urlsplit(uri).scheme in ("", "file")
+
+
 class MLflowSpec(ApiModel):
     enabled: bool = Field(True, description="Log params, metrics and the checkpoint to MLflow.")
     experiment: str = Field("gem", min_length=1, description="MLflow experiment name.")
     tracking_uri: str | None = Field(
         None,
-        description="Overrides the operator's MLflow URI. Credentials never go here: use credentialsSecret.",
+        description="Overrides the operator's MLflow URI: a server (http://...) or a database store (sqlite:///...), "
+        "not a file store. Credentials never go here: use credentialsSecret.",
     )
     credentials_secret: str | None = Field(
         None,
@@ -358,6 +369,12 @@ class MLflowSpec(ApiModel):
             raise ValueError(
                 "mlflow.trackingUri must not carry credentials (user:password@host): "
                 "put them in a Secret and name it in mlflow.credentialsSecret"
+            )
+        if self.tracking_uri and is_file_store(self.tracking_uri):
+            raise ValueError(
+                f"mlflow.trackingUri {self.tracking_uri!r} is an MLflow file store, which cannot hold the trainer's "
+                "metrics (ne and ne/click would be a file and a directory of one name): use an MLflow server "
+                "(http://...) or a database store (e.g. sqlite:////mnt/mlruns/mlflow.db)"
             )
         return self
 

@@ -44,14 +44,15 @@ def _f(x: float) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 
 
-def calibration_curve(y: np.ndarray, p: np.ndarray, bins: int = NUM_BINS) -> list[dict[str, float]]:
-    """Equal-count bins of predictions: mean prediction, mean label, count."""
+def calibration_curve(y: np.ndarray, p: np.ndarray, bins: int = NUM_BINS) -> list[dict[str, float | None]]:
+    """Equal-count bins of predictions: mean prediction, mean label, count (null where a bin holds a NaN)."""
     if y.size == 0:
         return []
     order = np.argsort(p, kind="mergesort")
     out = []
     for chunk in np.array_split(order, min(bins, y.size)):
-        out.append({"meanPred": float(p[chunk].mean()), "meanLabel": float(y[chunk].mean()), "n": int(chunk.size)})
+        out.append({"meanPred": _f(float(p[chunk].mean())), "meanLabel": _f(float(y[chunk].mean())),
+                    "n": int(chunk.size)})
     return out
 
 
@@ -125,6 +126,7 @@ def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
         block = report["tasks"][task]
         ax = axes[0, i]
         curve = block["calibrationCurve"]
+        curve = [c for c in curve if c["meanPred"] is not None and c["meanLabel"] is not None]
         if curve:
             xs, ys = [c["meanPred"] for c in curve], [c["meanLabel"] for c in curve]
             hi = max(max(xs), max(ys), 1e-3) * 1.05
@@ -162,7 +164,7 @@ def write_eval_report(parts: list[dict[str, np.ndarray]], eval_examples: Any, di
     directory.mkdir(parents=True, exist_ok=True)
     report = build_eval_report(parts, eval_examples, metrics=metrics, step=step)
     js = directory / "eval_report.json"
-    js.write_text(json.dumps(report, indent=1))
+    js.write_text(json.dumps(report, indent=1, allow_nan=False))  # strict JSON: undefined values are null
     try:
         png = plot_eval_report(report, directory / "eval_report.png")
     except ImportError:  # matplotlib is optional: the JSON alone

@@ -26,7 +26,8 @@ def _dumps(payload: dict[str, Any]) -> str:
 
 
 def fit(payload: dict[str, Any]) -> str:
-    """payload as compact JSON of at most MAX_BYTES: drops secondary metrics first, then truncates error."""
+    """payload as compact JSON of at most MAX_BYTES: drops secondary metrics first (then per-source ones),
+    then truncates error."""
     text = _dumps(payload)
     if len(text.encode()) <= MAX_BYTES:
         return text
@@ -34,10 +35,12 @@ def fit(payload: dict[str, Any]) -> str:
     if "metrics" in payload:
         # Keep the headline keys the operator shows; drop the rest.
         core = {k: v for k, v in payload["metrics"].items() if k.split("/")[0] in ("ne", "auc", "bayes_ne", "loss")}
-        payload["metrics"] = core
-        text = _dumps(payload)
-        if len(text.encode()) <= MAX_BYTES:
-            return text
+        # then without the per-source copies (`ne/click@src`): a mix of many sources keeps its headline
+        for metrics in (core, {k: v for k, v in core.items() if "@" not in k}):
+            payload["metrics"] = metrics
+            text = _dumps(payload)
+            if len(text.encode()) <= MAX_BYTES:
+                return text
         payload["metrics"] = {}
     if "error" in payload:
         overhead = len(_dumps({**payload, "error": ""}).encode())

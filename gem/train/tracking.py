@@ -1,7 +1,8 @@
 """MLflow logging, on global rank 0 only.
 
 - Tracking URI: spec.mlflow.trackingUri, else $MLFLOW_TRACKING_URI (credentials, e.g.
-  MLFLOW_TRACKING_TOKEN / MLFLOW_TRACKING_USERNAME, come only from the environment).
+  MLFLOW_TRACKING_TOKEN / MLFLOW_TRACKING_USERNAME, come only from the environment). A file store
+  is refused before training (a SpecError: exit 2): our metric names do not fit in one.
 - One run per training from step 0: tagged gem.dev/{name,namespace,uid,kind}. A job resumed from
   a checkpoint continues the run that checkpoint recorded (trainer_state.json's mlflowRunId);
   a fresh start always creates a new run, even if an earlier run carries the same uid tag.
@@ -26,6 +27,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
+
+from gem.api.types import is_file_store
 
 log = logging.getLogger("gem.train")
 
@@ -61,6 +64,34 @@ def redact_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
+def tracking_uri_of(spec: Any) -> tuple[str, str]:
+    """(URI, where it came from): spec.mlflow.trackingUri, else $MLFLOW_TRACKING_URI, else MLflow's default."""
+    if spec.tracking_uri:
+        return spec.tracking_uri, "spec.mlflow.trackingUri"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "$MLFLOW_TRACKING_URI"
+    import mlflow
+
+    return mlflow.get_tracking_uri(), "MLflow's default tracking URI (spec.mlflow.trackingUri and $MLFLOW_TRACKING_URI unset)"
+
+
+def check_tracking_uri(spec: Any) -> None:
+    """Refuse a file store before the run trains: it keeps every metric in a file named after it, so
+    `ne` (the headline) and `ne/click` (a directory `ne/`) cannot both be logged there (MLflow 3 also
+    refuses file stores unless MLFLOW_ALLOW_FILE_STORE is set)."""
+    from gem.data.errors import SpecError
+
+    uri, source = tracking_uri_of(spec)
+    if not is_file_store(uri):
+        return
+    parts = urlsplit(uri)
+    directory = os.path.abspath(parts.path if parts.scheme == "file" else uri)
+    raise SpecError(f"{source}: {redact_uri(uri)} is an MLflow file store, which cannot hold this trainer's "
+                    "metrics (ne and ne/click would be a file and a directory of the same name): use a database "
+                    f"store, e.g. sqlite:///{directory}/mlflow.db on the same volume, or an MLflow server "
+                    "(http://...); or set spec.mlflow.enabled: false")
+
+
 def job_uid(manifest: Any) -> str:
     """The object's uid; local runs (no uid) get a stable stand-in from namespace and name."""
     meta = manifest.metadata
@@ -73,6 +104,8 @@ class Tracker:
     def __init__(self, manifest: Any, *, active: bool):
         self.manifest = manifest
         self.active = active and manifest.spec.mlflow.enabled
+        if manifest.spec.mlflow.enabled:  # on every rank: all of them stop before the (slow) setup
+            check_tracking_uri(manifest.spec.mlflow)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.tracking_uri: str | None = None
@@ -89,7 +122,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         spec = self.manifest.spec.mlflow
-        self.tracking_uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+        self.tracking_uri, _ = tracking_uri_of(spec)
         mlflow.set_tracking_uri(self.tracking_uri)
         self._client = MlflowClient(self.tracking_uri)
         experiment = self._client.get_experiment_by_name(spec.experiment)
