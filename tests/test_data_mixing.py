@@ -70,7 +70,7 @@ def test_mixing_streamed_parquet_loaders(tmp_path):
     pa, pb = loaders["a"].position, loaders["b"].position
     assert pa + pb == 50 and pa > 35
     state = mix.state_dict()
-    assert state["loaders"]["a"] == {"position": pa}
+    assert state["loaders"]["a"]["position"] == pa
 
 
 def test_per_source_metrics(sources):

@@ -59,7 +59,7 @@ def test_tiny_model_learns_movielens(ml_path, tmp_path, trainer_env):
     print("movielens", {k: m[k] for k in ("auc/click", "ne/click", "auc/conversion", "ne/conversion")})
     assert m["auc/click"] > 0.6 and m["ne/click"] < 1.0, m
     assert m["bayes_ne/click"] is None  # true probabilities are unknown for real data
-    assert json.loads((tmp_path / "ckpt/local/ml100k/step-00000150/trainer_state.json").read_text())["loader"] \
-        == {"position": 150}
+    assert json.loads((tmp_path / "ckpt/local/ml100k/step-00000150/trainer_state.json").read_text())["loader"][
+        "position"] == 150
     rep = json.loads((tmp_path / "ckpt/local/ml100k/reports/step-00000150/eval_report.json").read_text())
     assert rep["numExamples"] == m["num_examples"] and rep["tasks"]["click"]["bayesNe"] is None

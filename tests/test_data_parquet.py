@@ -92,7 +92,8 @@ def test_resume_from_position_continues_exactly(dataset):
     stream = [a.next_batch() for _ in range(a.batches_per_epoch + 5)]  # crosses an epoch boundary
     b = ParquetLoader(dataset / "train", batch_size=40, max_seq_len=16, seed=1, window=3)
     b.load_state_dict({"position": 70})
-    assert a.state_dict() == {"position": a.batches_per_epoch + 5}
+    assert a.state_dict() == {"position": a.batches_per_epoch + 5, "epoch": 1,
+                              "layouts": [{"worldSize": 1, "batches": 5}]}
     for want in stream[70:]:
         got = b.next_batch()
         assert torch.equal(got.user_id, want.user_id) and torch.equal(got.seq_ad_id, want.seq_ad_id)

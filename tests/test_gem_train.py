@@ -64,7 +64,8 @@ def test_train_learns_and_reports(tmp_path, capsys):
     for name in ("COMPLETE", "gem.yaml", "model.pt", "trainer_state.json", "rng/rank-00000.pt"):
         assert (final / name).is_file(), name
     assert yaml.safe_load((final / "gem.yaml").read_text())["metadata"]["name"] == "learn"
-    assert json.loads((final / "trainer_state.json").read_text())["loader"] == {"position": 200}
+    assert json.loads((final / "trainer_state.json").read_text())["loader"] == {"position": 200, "epoch": 0,
+                                                                              "consumed": 12800}
     # stdout carries the same report; `gem eval` reproduces the metrics from the directory alone.
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ne"] == report["ne"]
     assert cli.main(["eval", "--config", str(path)]) == 0

@@ -106,3 +106,63 @@ def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):
         assert run.failure_now() is None
         assert run.wait(timeout=30, interval=0.02) == "Failed"
         assert run.failure_now() == JobFailure("ReplicaFailed", "nv-master-0 exited with code 2 (restartPolicy Never)")
+
+
+# ConfigMap files: the mountPath rewrite keeps a YAML/JSON document's meaning (gem.launcher.local.rewrite_document)
+
+CONFIG_YAML = """\
+# the trainer's manifest, as gem.api.render writes it (plus a comment)
+spec:
+  checkpoint:
+    path: /var/lib/gem/checkpoints  # the claim
+  data:
+    path: /var/lib/gem/checkpoints/data
+  args: ["--out", "/var/lib/gem/checkpoints/x"]
+"""
+
+
+def _pod(tmp_path, claims_dir, files):
+    from gem.launcher.local import LocalPod
+
+    spec = {"containers": [{"name": "pytorch", "image": "x", "command": ["true"], "volumeMounts": [
+                {"name": "config", "mountPath": "/etc/gem"},
+                {"name": "ckpt", "mountPath": "/var/lib/gem/checkpoints"}]}],
+            "volumes": [{"name": "config", "configMap": {"name": "cfg"}},
+                        {"name": "ckpt", "persistentVolumeClaim": {"claimName": "x"}}]}
+    pod = LocalPod("p-0", spec, tmp_path / "sandbox", configmaps={"cfg": files}, claims_dir=claims_dir)
+    pod.environment()  # materialises the volumes
+    return pod, tmp_path / "sandbox" / "volumes" / "config"
+
+
+@pytest.mark.parametrize("dirname", ["run #1", "run: 1", "it's \"q\"", "plain"])
+def test_configmap_yaml_paths_read_back_as_the_local_directory(tmp_path, dirname):
+    import json
+
+    import yaml
+
+    claims = tmp_path / dirname / "claims"
+    local = str(claims / "x")
+    files = {"config.yaml": CONFIG_YAML, "gem": CONFIG_YAML, "c.json": json.dumps({"path": "/var/lib/gem/checkpoints"}),
+             "multi.yml": "a: /var/lib/gem/checkpoints\n---\n- /var/lib/gem/checkpoints/y\n"}
+    _, vol = _pod(tmp_path, claims, files)
+    for name in ("config.yaml", "gem"):  # a YAML file by suffix, or without one
+        spec = yaml.safe_load((vol / name).read_text())["spec"]
+        assert spec["checkpoint"]["path"] == local, (name, (vol / name).read_text())
+        assert spec["data"]["path"] == local + "/data" and spec["args"] == ["--out", local + "/x"]
+    assert json.loads((vol / "c.json").read_text()) == {"path": local}
+    assert list(yaml.safe_load_all((vol / "multi.yml").read_text())) == [{"a": local}, [local + "/y"]]
+    if dirname == "plain":  # replacing the text is right: the file keeps its comments and layout
+        assert (vol / "config.yaml").read_text() == CONFIG_YAML.replace("/var/lib/gem/checkpoints", local)
+
+
+def test_configmap_files_that_are_not_yaml_are_rewritten_as_text(tmp_path):
+    claims = tmp_path / "run #1" / "claims"
+    local = str(claims / "x")
+    script = "#!/bin/sh\nexec gem train --out /var/lib/gem/checkpoints/a: b\n"
+    files = {"run.sh": script, "notes": "see /var/lib/gem/checkpoints\n", "bad.yaml": "a: [/var/lib/gem/checkpoints\n",
+             "blob.bin": b"\xff/var/lib/gem/checkpoints"}
+    _, vol = _pod(tmp_path, claims, files)
+    assert (vol / "run.sh").read_text() == script.replace("/var/lib/gem/checkpoints", local)
+    assert (vol / "notes").read_text() == f"see {local}\n"
+    assert (vol / "bad.yaml").read_text() == f"a: [{local}\n"  # not YAML after all: text, as before
+    assert (vol / "blob.bin").read_bytes() == b"\xff/var/lib/gem/checkpoints"  # binary: untouched

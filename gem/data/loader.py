@@ -2,8 +2,14 @@
 
 Training: every epoch is a seeded permutation of the split; rank r takes every world_size-th
 example of it (disjoint shards), in batches of batch_size, dropping the ragged tail so that all
-ranks run the same number of steps. The whole loader state is one integer, `position` (batches
-handed out so far), so a resumed job continues with exactly the batch it would have seen next.
+ranks run the same number of steps. After j batches per rank the ranks together have consumed
+exactly the first j x batch_size x world_size examples of the epoch's permutation, so the state
+is world-size independent: `{"position", "epoch", "consumed"}` (batches handed out; the epoch;
+examples of its permutation consumed, by all ranks together). A resumed job on the same world
+size continues with exactly the batch it would have seen next; on another world size the rest
+of the epoch's permutation (from `consumed` on) is re-sliced over the new ranks, so no example
+of the epoch is skipped or seen twice. A state of only `{"position"}` (saved before `consumed`
+existed) resumes the old way: `position` batches of this world size's layout.
 
 Evaluation: every example exactly once; shards are padded to equal length with weight-0
 examples because ranks must run the same number of forward passes (ZeRO-3 gathers parameters
@@ -29,31 +35,60 @@ class ShardedLoader:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.position = 0  # batches handed out so far: the loader's whole state
+        self.position = 0  # batches handed out so far
         shard_len = len(examples) // world_size
         self.batches_per_epoch = shard_len // batch_size
         if self.batches_per_epoch == 0:
             # the caller (gem.data.sources) adds which spec field holds the examples
             raise ValueError(f"{len(examples)} training examples are too few for batch size {batch_size} x "
                              f"{world_size} ranks: need at least {batch_size * world_size}")
-        self._epoch = -1
+        # (position0, epoch0, offset0): batch position0 is the first of epoch0's remainder from example offset0
+        # of its permutation on (a resume from a world-size independent state); None: position alone decides
+        self._anchor: tuple[int, int, int] | None = None
+        self._key: tuple[int, int] | None = None
         self._shard: np.ndarray | None = None
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
+        epoch, offset, j = self._locate(self.position)
+        return {"position": self.position, "epoch": epoch,
+                "consumed": offset + j * self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+        if "consumed" in state:
+            self._anchor = (self.position, int(state["epoch"]), int(state["consumed"]))
+        else:  # saved before `consumed` existed: batches of this world size's layout
+            self._anchor = None
 
-    def _shard_of(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
+    def _batches_from(self, offset: int) -> int:
+        """Batches per rank in the rest of an epoch from example `offset` of its permutation on."""
+        return max(len(self.examples) - offset, 0) // self.world_size // self.batch_size
+
+    def _locate(self, position: int) -> tuple[int, int, int]:
+        """(epoch, offset, j): batch `position` is batch j of the epoch's remainder from example offset on."""
+        first_epoch = 0
+        if self._anchor is not None:
+            position0, epoch0, offset0 = self._anchor
+            d = position - position0
+            if d < 0:
+                raise ValueError(f"position {position} is before the resumed position {position0}")
+            n0 = self._batches_from(offset0)
+            if d < n0:
+                return epoch0, offset0, d
+            position, first_epoch = d - n0, epoch0 + 1
+        epoch, j = divmod(position, self.batches_per_epoch)
+        return first_epoch + epoch, 0, j
+
+    def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
+        """This rank's share of the epoch's permutation from example `offset` on."""
+        if (epoch, offset) != self._key:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-            self._shard, self._epoch = perm[self.rank :: self.world_size], epoch
+            self._shard, self._key = perm[offset + self.rank :: self.world_size], (epoch, offset)
         return self._shard
 
     def next_batch(self) -> Batch:
-        epoch, j = divmod(self.position, self.batches_per_epoch)
-        index = self._shard_of(epoch)[j * self.batch_size : (j + 1) * self.batch_size]
+        epoch, offset, j = self._locate(self.position)
+        index = self._shard_of(epoch, offset)[j * self.batch_size : (j + 1) * self.batch_size]
         self.position += 1
         return make_batch(self.examples, index, max_seq_len=self.max_seq_len)
 

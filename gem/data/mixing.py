@@ -8,8 +8,14 @@ gathered in place (`make_batch`) and the per-source pieces are concatenated into
 Batch. A source is in-memory `Examples` (synthetic, or a Parquet eval/train split read whole);
 for a streamed Parquet training split use one ParquetLoader per source and `MixedLoaders`.
 
-State: `{"position", "cursors"}` (batches handed out, examples taken per source). `cursors`
-is a pure function of `position` (they can be replayed), and is saved too so resuming is O(1).
+State: `{"position", "cursors", "streams"}` (batches handed out, examples taken per source by
+each rank, and per source `{"epoch", "consumed"}`: examples of that epoch's permutation consumed
+by all ranks together). `cursors` is a pure function of `position` (they can be replayed), and is
+saved too so resuming is O(1). `streams` is world-size independent: rank r of W took the
+examples at positions r, r + W, ... of the permutation, so the ranks together consumed its first
+`consumed`; a resume on another world size re-slices the rest of that epoch over the new ranks
+(none skipped, none twice), and on the same world size continues exactly. A state without
+`streams` (saved before it existed) resumes the old way, as per-rank cursors.
 
 Evaluation per source: `source_metrics(predict, {"name": eval_examples, ...})` adds
 `ne/click@name`, `auc/click@name`, ... beside the metrics of the union, so the effect of a
@@ -47,26 +53,59 @@ def concat_batches(parts: Sequence[Batch]) -> Batch:
 
 
 class _Stream:
-    """A source's rank shard as an endless stream: epoch e = permutation (seed, k, e), every world_size-th."""
+    """A source's rank shard as an endless stream: epoch e = permutation (seed, k, e), every world_size-th.
+
+    Cursor c (examples this rank took) is example c of the stream; after a resume from a
+    world-size independent position (`anchor`: cursor0 is the first example of epoch0's
+    permutation from offset0 on) the rest of epoch0 is re-sliced: rank r takes offset0 + r,
+    offset0 + r + world_size, ...
+    """
 
     def __init__(self, n: int, *, k: int, rank: int, world_size: int, seed: int):
         self.n, self.k, self.rank, self.world_size, self.seed = n, k, rank, world_size, seed
         self.shard_len = n // world_size
         if self.shard_len == 0:
             raise ValueError(f"mixing source {k} has {n} examples: fewer than {world_size} ranks")
-        self._epoch, self._shard = -1, np.empty(0, np.int64)
+        self.anchor: tuple[int, int, int] | None = None  # (cursor0, epoch0, offset0)
+        self._key: tuple[int, int] | None = None
+        self._shard = np.empty(0, np.int64)
 
-    def _shard_of(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
+    def _len_from(self, offset: int) -> int:
+        """Examples per rank in the rest of an epoch from example `offset` of its permutation on."""
+        return max(self.n - offset, 0) // self.world_size
+
+    def locate(self, cursor: int) -> tuple[int, int, int]:
+        """(epoch, offset, i): example `cursor` is example i of this rank's share of the epoch from offset on."""
+        first_epoch = 0
+        if self.anchor is not None:
+            cursor0, epoch0, offset0 = self.anchor
+            d = cursor - cursor0
+            if d < 0:
+                raise ValueError(f"cursor {cursor} of mixing source {self.k} is before the resumed one {cursor0}")
+            n0 = self._len_from(offset0)
+            if d < n0:
+                return epoch0, offset0, d
+            cursor, first_epoch = d - n0, epoch0 + 1
+        epoch, i = divmod(cursor, self.shard_len)
+        return first_epoch + epoch, 0, i
+
+    def consumed(self, cursor: int) -> dict[str, int]:
+        """The world-size independent position at `cursor`: the epoch, and examples of it all ranks took."""
+        epoch, offset, i = self.locate(cursor)
+        return {"epoch": epoch, "consumed": offset + i * self.world_size}
+
+    def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
+        if (epoch, offset) != self._key:
             perm = np.random.default_rng([self.seed, 11, self.k, epoch]).permutation(self.n)
-            self._shard, self._epoch = perm[self.rank :: self.world_size][: self.shard_len], epoch
+            self._shard = perm[offset + self.rank :: self.world_size][: self._len_from(offset)]
+            self._key = (epoch, offset)
         return self._shard
 
     def take(self, cursor: int, count: int) -> np.ndarray:
         out = []
         while count > 0:
-            epoch, i = divmod(cursor, self.shard_len)
-            got = self._shard_of(epoch)[i : i + count]
+            epoch, offset, i = self.locate(cursor)
+            got = self._shard_of(epoch, offset)[i : i + count]
             out.append(got)
             cursor += len(got)
             count -= len(got)
@@ -95,7 +134,8 @@ class MixedLoader:
         return np.random.default_rng([self.seed, 13, position]).multinomial(self.batch_size, self.weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "cursors": list(self.cursors)}
+        return {"position": self.position, "cursors": list(self.cursors),
+                "streams": [s.consumed(c) for s, c in zip(self.streams, self.cursors)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
@@ -106,6 +146,13 @@ class MixedLoader:
             for j in range(self.position):
                 total += self.counts_at(j)
             self.cursors = total.tolist()
+        streams = state.get("streams")
+        if streams is not None and len(streams) != len(self.streams):
+            raise ValueError(f"the saved state has {len(streams)} mixing sources, this run {len(self.streams)}")
+        for k, stream in enumerate(self.streams):
+            # world-size independent position of each source; without it (older states), per-rank cursors
+            stream.anchor = None if streams is None else (
+                self.cursors[k], int(streams[k]["epoch"]), int(streams[k]["consumed"]))
 
     def next_batch(self) -> Batch:
         counts = self.counts_at(self.position)

@@ -14,8 +14,8 @@ field added there (e.g. a new sequence) is written and read without changes here
 missing from a file (e.g. `p_click`, unknown for real logs) read as NaN (floats) or 0 (ints).
 
 The loader (`ParquetLoader`) never holds the split in memory: it reads one *window* of
-`window` batches at a time. Its whole state is one integer, `position` (batches handed out),
-like `ShardedLoader`:
+`window` batches at a time. Its position is `position` (batches handed out), like
+`ShardedLoader`:
 
 - epoch e shuffles the (non-empty) row groups of all files with seed (seed, e); the rows in
   that order are cut into world_size equal contiguous slices, rank r taking slice r, so ranks
@@ -27,6 +27,16 @@ like `ShardedLoader`:
   window rows are shuffled, then sorted by history length and cut into batches (similar
   lengths together: balanced jagged attention work), and the batch order is shuffled;
 - resuming at `position` maps it to (epoch, window, batch) and reads only that window.
+
+The state, `{"position", "epoch", "layouts"}`, is world-size independent: `layouts` lists the
+batches per rank handed out in `epoch` under each world size, in order (`[{"worldSize": 2,
+"batches": 5}]`). From it any world size can tell which rows of the epoch are consumed (whole
+windows plus the first batches of the current one, on every old rank) and which remain; a resume
+on the same world size continues the same layout (exactly the batches it would have read next),
+on another world size the remaining rows, in epoch order, are cut into the new number of equal
+slices and read the same way (windows, length-sorted batches) for the rest of the epoch, so no
+row of the epoch is skipped or read twice. A state of only `{"position"}` (written before
+`layouts` existed) resumes the old way: `position` batches of this world size's layout.
 
 `iter_windows(worker, num_workers)` / `ParquetWindows` shard the windows over DataLoader
 workers (window k goes to worker k % num_workers, which is the order a DataLoader yields them).
@@ -283,6 +293,17 @@ class ParquetSource:
             self._handles[i] = pq.ParquetFile(self.files[i])
         return table_to_examples(self._handles[i].read_row_group(rg))
 
+    def read_lengths(self, g: int) -> np.ndarray:
+        """History lengths of row group g's rows (int64), reading one list column only."""
+        i, rg = self.groups[g]
+        if i not in self._handles:
+            self._handles[i] = pq.ParquetFile(self.files[i])
+        f = self._handles[i]
+        names = [n for n in _seq_fields() if n in f.schema_arrow.names][:1]
+        if not names:
+            return np.zeros(int(self.group_rows[g]), dtype=np.int64)
+        return table_to_examples(f.read_row_group(rg, columns=names)).seq_lengths.astype(np.int64)
+
     def read_all(self) -> Examples:
         return table_to_examples(pq.read_table(self.files if len(self.files) > 1 else self.files[0]))
 
@@ -294,6 +315,42 @@ def load_parquet_splits(path: str | Path) -> tuple["ParquetSource", Examples]:
     """(streamed train source, in-memory eval split) of a data set written by write_splits."""
     path = Path(path)
     return ParquetSource(path / "train"), ParquetSource(path / "eval").read_all()
+
+
+class _Rows:
+    """An ordered subset of an epoch's rows, as positions in the epoch's row order: ranges and arrays."""
+
+    def __init__(self, pieces: list[tuple[int, int] | np.ndarray]):
+        self.pieces = [p for p in pieces if self._len(p) > 0]
+        self.starts = np.zeros(len(self.pieces) + 1, dtype=np.int64)
+        self.starts[1:] = np.cumsum(np.array([self._len(p) for p in self.pieces], dtype=np.int64))
+
+    @staticmethod
+    def _len(piece: tuple[int, int] | np.ndarray) -> int:
+        return piece[1] - piece[0] if isinstance(piece, tuple) else len(piece)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def slice(self, lo: int, hi: int) -> list[tuple[int, int] | np.ndarray]:
+        """Rows lo..hi-1 of this order, as pieces (ranges stay ranges)."""
+        out: list[tuple[int, int] | np.ndarray] = []
+        k = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi and k < len(self.pieces) and self.starts[k] < hi:
+            piece, base = self.pieces[k], int(self.starts[k])
+            a, b = max(lo - base, 0), min(hi, int(self.starts[k + 1])) - base
+            out.append((piece[0] + a, piece[0] + b) if isinstance(piece, tuple) else piece[a:b])
+            k += 1
+        return out
+
+    def take(self, lo: int, hi: int) -> np.ndarray:
+        """Rows lo..hi-1 of this order as epoch positions (int64)."""
+        parts = [np.arange(*p, dtype=np.int64) if isinstance(p, tuple) else p for p in self.slice(lo, hi)]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+#: A layout of part of an epoch: (world size, batches per rank handed out under it).
+Layout = tuple[int, int]
 
 
 class ParquetLoader:
@@ -318,15 +375,33 @@ class ParquetLoader:
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.source.path}: {self.source.num_rows} rows are too few for batch size "
                              f"{batch_size} x {world_size} ranks: need at least {batch_size * world_size}")
-        self._cache: tuple[tuple[int, int], list[np.ndarray], Examples] | None = None
+        # (position0, epoch0, layouts): batch position0 is the first of epoch0's rows left after `layouts`
+        # (a resume from a world-size independent state); None: position alone decides
+        self._anchor: tuple[int, int, tuple[Layout, ...]] | None = None
+        self._rows_cache: dict[tuple[int, tuple[Layout, ...]], _Rows] = {}
+        self._cache: tuple[tuple[int, tuple[Layout, ...], int], list[np.ndarray], Examples] | None = None
 
     # ---------------------------------------------------------------- state
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        epoch, layouts, j = self._locate(self.position)
+        if j:
+            layouts = (*layouts, (self.world_size, j))
+        return {"position": self.position, "epoch": epoch,
+                "layouts": [{"worldSize": w, "batches": b} for w, b in layouts]}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        if "layouts" not in state:  # saved before `layouts` existed: batches of this world size's layout
+            self._anchor = None
+            return
+        layouts = tuple((int(lay["worldSize"]), int(lay["batches"])) for lay in state["layouts"])
+        layouts = tuple(lay for lay in layouts if lay[1] > 0)
+        j = 0
+        if layouts and layouts[-1][0] == self.world_size:  # the same world size: continue its layout exactly
+            layouts, j = layouts[:-1], layouts[-1][1]
+        self._anchor = (self.position - j, int(state["epoch"]), layouts)
+        self._cache = None
 
     # ---------------------------------------------------------------- plan
 
@@ -334,39 +409,116 @@ class ParquetLoader:
         """The order of all row groups in an epoch (the same on every rank)."""
         return np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.source.groups))
 
-    def _read_window(self, epoch: int, w: int) -> tuple[list[np.ndarray], Examples]:
-        """Window w of an epoch: its rows (read from the row groups covering them) and batch indices."""
+    def _rows(self, epoch: int, layouts: tuple[Layout, ...]) -> _Rows:
+        """The rows of an epoch left after `layouts` consumed their batches, in epoch order."""
+        if not layouts:
+            return _Rows([(0, self.source.num_rows)])
+        key = (epoch, layouts)
+        if key not in self._rows_cache:
+            self._rows_cache[key] = self._remainder(epoch, layouts[:-1], *layouts[-1])
+        return self._rows_cache[key]
+
+    def _per_rank(self, n_rows: int, world_size: int) -> tuple[int, int]:
+        """(rows per rank, batches per rank) of a layout of n_rows over world_size ranks."""
+        rows = n_rows // world_size
+        return rows, rows // self.batch_size
+
+    def _window_batches(self, epoch: int, w: int, lengths: np.ndarray | None, n_batches: int) -> list[np.ndarray]:
+        """Window w's batches, in the order handed out, as indices into the window's rows."""
+        rng = np.random.default_rng([self.seed, 2, epoch, w])
+        index = rng.permutation(n_batches * self.batch_size)
+        if self.sort_by_length:
+            index = index[np.argsort(np.minimum(lengths[index], self.max_seq_len), kind="stable")]
+        batches = [index[b * self.batch_size : (b + 1) * self.batch_size] for b in range(n_batches)]
+        order = rng.permutation(n_batches)
+        return [batches[i] for i in order]
+
+    def _group_index(self, epoch: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(epoch's group order, the slot of each row's group in it, the first row of each slot)."""
         groups = self._epoch_groups(epoch)
         rows = self.source.group_rows[groups]
         ends = np.cumsum(rows)
-        n_batches = min(self.window, self.batches_per_epoch - w * self.window)
-        lo = self.rank * self.rows_per_rank + w * self.window * self.batch_size  # in the epoch's row order
-        hi = lo + n_batches * self.batch_size
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(ends, hi - 1, side="right"))
-        parts = [self.source.read_group(int(g)) for g in groups[first : last + 1]]
-        data = parts[0] if len(parts) == 1 else concat_examples(parts)
-        start = int(ends[first] - rows[first])
-        index = np.arange(lo - start, hi - start)
-        rng = np.random.default_rng([self.seed, 2, epoch, w])
-        index = rng.permutation(index)
-        if self.sort_by_length:
-            lengths = np.minimum(data.seq_lengths[index], self.max_seq_len)
-            index = index[np.argsort(lengths, kind="stable")]
-        batches = [index[b * self.batch_size : (b + 1) * self.batch_size] for b in range(n_batches)]
-        order = rng.permutation(n_batches)
-        return [batches[i] for i in order], data
+        return groups, np.searchsorted(ends, pos, side="right"), ends - rows
 
-    def _window(self, epoch: int, w: int) -> tuple[list[np.ndarray], Examples]:
-        if self._cache is None or self._cache[0] != (epoch, w):
-            batches, data = self._read_window(epoch, w)
-            self._cache = ((epoch, w), batches, data)
+    def _lengths(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """History lengths of rows `pos` (epoch positions), reading only one list column."""
+        groups, slot, first = self._group_index(epoch, pos)
+        out = np.empty(len(pos), dtype=np.int64)
+        for u in np.unique(slot):
+            mask = slot == u
+            out[mask] = self.source.read_lengths(int(groups[u]))[pos[mask] - first[u]]
+        return out
+
+    def _remainder(self, epoch: int, before: tuple[Layout, ...], world_size: int, j: int) -> _Rows:
+        """The rows left of _rows(epoch, before) once each of world_size ranks handed out j batches of it."""
+        rows = self._rows(epoch, before)
+        per_rank, n_batches = self._per_rank(len(rows), world_size)
+        j = min(j, n_batches)
+        w, b = divmod(j, self.window)
+        pieces: list[tuple[int, int] | np.ndarray] = []
+        for r in range(world_size):
+            lo = r * per_rank + w * self.window * self.batch_size
+            if b:  # window w: its first b batches are consumed, the rest of its rows are not
+                n = min(self.window, n_batches - w * self.window)
+                hi = lo + n * self.batch_size
+                pos = rows.take(lo, hi)
+                lengths = self._lengths(epoch, pos) if self.sort_by_length else None
+                keep = np.ones(len(pos), dtype=bool)
+                keep[np.concatenate(self._window_batches(epoch, w, lengths, n)[:b])] = False
+                pieces.append(pos[keep])
+                lo = hi
+            pieces += rows.slice(lo, (r + 1) * per_rank)  # the rank's later windows and ragged tail
+        pieces += rows.slice(world_size * per_rank, len(rows))  # rows no rank had
+        return _Rows(pieces)
+
+    def _locate(self, position: int) -> tuple[int, tuple[Layout, ...], int]:
+        """(epoch, layouts, j): batch `position` is batch j of the rows of epoch left after `layouts`."""
+        first_epoch = 0
+        if self._anchor is not None:
+            position0, epoch0, layouts = self._anchor
+            d = position - position0
+            if d < 0:
+                raise ValueError(f"position {position} is before the resumed position {position0}")
+            n0 = self._batches_in(epoch0, layouts)
+            if d < n0:
+                return epoch0, layouts, d
+            position, first_epoch = d - n0, epoch0 + 1
+        epoch, j = divmod(position, self.batches_per_epoch)
+        return first_epoch + epoch, (), j
+
+    def _batches_in(self, epoch: int, layouts: tuple[Layout, ...]) -> int:
+        """Batches per rank of this world size's layout of the rows of epoch left after `layouts`."""
+        if not layouts:
+            return self.batches_per_epoch
+        return self._per_rank(len(self._rows(epoch, layouts)), self.world_size)[1]
+
+    def _read_window(self, epoch: int, w: int, layouts: tuple[Layout, ...] = ()) -> tuple[list[np.ndarray], Examples]:
+        """Window w of an epoch's layout: its rows (read from the row groups covering them) and batch indices."""
+        rows = self._rows(epoch, layouts)
+        per_rank, n_per_rank = self._per_rank(len(rows), self.world_size)
+        n_batches = min(self.window, n_per_rank - w * self.window)
+        lo = self.rank * per_rank + w * self.window * self.batch_size  # in the layout's row order
+        pos = rows.take(lo, lo + n_batches * self.batch_size)  # epoch positions
+        groups, slot, first = self._group_index(epoch, pos)
+        used = np.unique(slot)  # a range of slots when pos is contiguous (always, without layouts)
+        parts = [self.source.read_group(int(g)) for g in groups[used]]
+        data = parts[0] if len(parts) == 1 else concat_examples(parts)
+        base = np.zeros(len(used), dtype=np.int64)
+        np.cumsum(self.source.group_rows[groups[used]][:-1], out=base[1:])
+        local = base[np.searchsorted(used, slot)] + (pos - first[slot])  # row of pos in data
+        lengths = data.seq_lengths[local] if self.sort_by_length else None
+        return [local[idx] for idx in self._window_batches(epoch, w, lengths, n_batches)], data
+
+    def _window(self, epoch: int, w: int, layouts: tuple[Layout, ...] = ()) -> tuple[list[np.ndarray], Examples]:
+        if self._cache is None or self._cache[0] != (epoch, layouts, w):
+            batches, data = self._read_window(epoch, w, layouts)
+            self._cache = ((epoch, layouts, w), batches, data)
         return self._cache[1], self._cache[2]
 
     def batch_at(self, position: int) -> Batch:
-        epoch, j = divmod(position, self.batches_per_epoch)
+        epoch, layouts, j = self._locate(position)
         w, b = divmod(j, self.window)
-        batches, data = self._window(epoch, w)
+        batches, data = self._window(epoch, w, layouts)
         return make_batch(data, batches[b], max_seq_len=self.max_seq_len)
 
     def next_batch(self) -> Batch:
@@ -385,11 +537,11 @@ class ParquetLoader:
         pos = self.position if start is None else start
         k = 0
         while True:
-            epoch, j = divmod(pos, self.batches_per_epoch)
+            epoch, layouts, j = self._locate(pos)
             w, b = divmod(j, self.window)
-            n = min(self.window, self.batches_per_epoch - w * self.window)
+            n = min(self.window, self._batches_in(epoch, layouts) - w * self.window)
             if k % num_workers == worker:
-                batches, data = self._window(epoch, w)
+                batches, data = self._window(epoch, w, layouts)
                 yield [make_batch(data, idx, max_seq_len=self.max_seq_len) for idx in batches[b:n]]
             pos += n - b
             k += 1

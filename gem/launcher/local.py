@@ -17,10 +17,13 @@ No cluster, no containers, no torch import. Two layers:
   Every occurrence of a mountPath (or of the terminationMessagePath) as a path prefix in
   the container's `command`, `args` and env values, and in the text files materialised
   from ConfigMaps, is rewritten to the local directory (longest mountPath first;
-  `subPath` honoured). The process runs with the sandbox as working directory and a PATH
-  whose first entry is the running interpreter's bin directory (so `gem`, `torchrun`
-  from the same virtualenv resolve). When it exits, up to 4096 bytes of the termination
-  message file become the message (policy `FallbackToLogsOnError`: the last 80 lines,
+  `subPath` honoured). In a YAML or JSON file (`rewrite_document`) the rewrite must not
+  change what the file means: where replacing the text would (a local directory holding
+  " #", ": ", a quote...), the file's string values are rewritten and it is dumped again.
+  The process runs with the sandbox as working directory and a PATH whose first entry
+  is the running interpreter's bin directory (so `gem`, `torchrun` from the same
+  virtualenv resolve). When it exits, up to 4096 bytes of the termination message file
+  become the message (policy `FallbackToLogsOnError`: the last 80 lines,
   at most 2048 bytes, of the log when the file is empty and the container failed).
 
 * `LocalPyTorchJob` creates a `LocalPod` per replica with exactly the environment
@@ -234,7 +237,7 @@ class LocalPod:
                                 text = f.read_text()
                             except (UnicodeDecodeError, OSError):
                                 continue
-                            new = self.rewrite(text)
+                            new = rewrite_document(text, self.rewrite, f.name)
                             if new != text:
                                 f.write_text(new)
         self._prepared = True
@@ -585,6 +588,76 @@ class LocalPyTorchJob:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+#: File names whose text is read as YAML (JSON for .json) when rewriting mount paths;
+#: files without a suffix are too when they hold a mapping or a list.
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _map_strings(doc: Any, fn: Any) -> Any:
+    """doc with fn applied to every string in it (mapping keys and values, list items)."""
+    if isinstance(doc, str):
+        return fn(doc)
+    if isinstance(doc, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_map_strings(v, fn) for v in doc]
+    return doc
+
+
+def rewrite_document(text: str, rewrite: Any, name: str = "") -> str:
+    """A ConfigMap file's text with `rewrite` applied to the paths in it, keeping its meaning.
+
+    Plain text replacement (what happens to every other file) is kept whenever it reads back as
+    the document with its strings rewritten: formatting and comments stay. Where it does not --
+    a local directory holding " #" or ": " ends a plain YAML scalar early or makes it a mapping,
+    a quote or backslash breaks a quoted one -- JSON files (`*.json`, or no suffix and a JSON
+    object or array) are dumped again as JSON from the rewritten document, YAML files (`*.yaml`,
+    `*.yml`, or no suffix and a mapping or list inside) as YAML. Anything else is plain text.
+    """
+    replaced = rewrite(text)
+    if replaced == text:
+        return text
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix not in ("", ".json", *YAML_SUFFIXES):
+        return replaced
+    if suffix in ("", ".json"):
+        import json
+
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            if suffix == ".json":
+                return replaced  # not JSON after all: text
+        else:
+            if suffix == ".json" or isinstance(doc, (dict, list)):
+                want = _map_strings(doc, rewrite)
+                try:
+                    if json.loads(replaced) == want:
+                        return replaced
+                except ValueError:
+                    pass
+                return json.dumps(want, indent=2, ensure_ascii=False) + ("\n" if text.endswith("\n") else "")
+    import yaml
+
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError:
+        return replaced  # not YAML after all: text
+    if suffix == "" and not any(isinstance(d, (dict, list)) for d in docs):
+        return replaced  # a script or a note (one plain scalar), not a configuration
+
+    def dump(documents: list[Any]) -> str:
+        return yaml.safe_dump_all(documents, sort_keys=False, allow_unicode=True, width=1 << 30)
+
+    want = [_map_strings(d, rewrite) for d in docs]
+    try:
+        if dump(list(yaml.safe_load_all(replaced))) == dump(want):
+            return replaced
+    except yaml.YAMLError:
+        pass
+    return dump(want)
 
 
 def decode_configmap(cm: Mapping[str, Any]) -> dict[str, Any]:
