@@ -159,6 +159,34 @@ def test_an_impossible_plan_is_invalid_with_an_event_naming_dimension_and_level(
     assert operator.alive
 
 
+def test_shards_with_bf16_are_invalid_before_a_job_exists(cluster, operator, api):
+    """ep / sparseShard with bf16 or mxfp8: the trainer refuses them at setup (their shards would train
+    without fp32 master weights), so the operator must too, instead of creating a job whose pods fail."""
+    add_nodes(cluster, {"b0": ["n0", "n1"], "b1": ["n2", "n3"]})
+
+    def training(name: str, precision: str, plan: dict) -> dict:
+        body = parallel_training(name, placement="kueue", plan=plan)
+        return {**body, "spec": {**body["spec"], "training": {"precision": precision}}}
+
+    create(api, training("ep-bf16", "bf16", {"ep": 2}))
+    create(api, training("rows-mxfp8", "mxfp8", {"sparseShard": 2}))
+    create(api, training("ep-fp32", "fp32", {"ep": 2}))  # the same plan in fp32 runs
+
+    for name, field, precision, dim in (("ep-bf16", "spec.parallelism.plan.ep", "bf16", "ep"),
+                                        ("rows-mxfp8", "spec.parallelism.plan.sparseShard", "mxfp8", "sparse_shard")):
+        status = wait_phase(cluster, "GEMTraining", name, "Invalid")
+        valid = condition(status, "Valid")
+        assert valid["status"] == "False" and valid["reason"] == "InvalidParallelPlan", valid
+        msg = valid["message"]
+        assert f"{field}=2 with spec.training.precision {precision} is not supported" in msg, msg
+        assert f"Set spec.training.precision to fp32, or {field} to 1" in msg and f"[dimension {dim}]" in msg, msg
+        events = [e for e in cluster.events(involved_name=name) if e["reason"] == "InvalidParallelPlan"]
+        assert len(events) == 1 and events[0]["type"] == "Warning" and field in events[0]["message"]
+    assert wait_phase(cluster, "GEMTraining", "ep-fp32", "Created")["parallelPlan"]["ep"] == 2
+    assert [j["metadata"]["name"] for j in jobs(cluster)] == ["ep-fp32-train"]
+    assert operator.alive
+
+
 # --------------------------------------------------------------------------- where ranks landed
 
 

@@ -332,3 +332,27 @@ def test_plan_for_job_outside_the_cluster_uses_the_real_world():
     job = plan_for_job(par, TrainingSpec(), world_size=4, procs_per_node=2, hints=ModelShapeHints(), env={})
     assert not job.notes and [lv.name for lv in job.topology.levels] == ["node", "cluster"]  # placement none
     assert job.plan.dp_shard == 4
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_shards_outside_deepspeed_need_fp32_and_the_message_names_the_fields_and_the_fix(precision):
+    """DeepSpeed's bf16 mode keeps fp32 masters only for its own optimizer's parameters: expert and
+    embedding-row shards (stepped outside it) would train in bf16. The trainer refused this at setup
+    (exit 1, after the operator had accepted the spec); now one rule, in the check both call."""
+    from gem.api.types import Precision
+    from gem.parallel.plan import check_deepspeed_plan
+
+    ep = ParallelPlan(world_size=4, dp_shard=4, ep=2, sparse_shard=1, zero_stage=2)
+    sparse = ParallelPlan(world_size=4, dp_shard=4, sparse_shard=2, zero_stage=1)
+    for plan, field in ((ep, "spec.parallelism.plan.ep"), (sparse, "spec.parallelism.plan.sparseShard")):
+        check_deepspeed_plan(plan)  # no precision given: only the ZeRO-stage rule
+        check_deepspeed_plan(plan, precision="fp32")
+        for value in (precision, Precision(precision)):  # the spec's enum as well as its string
+            with pytest.raises(PlanError) as e:
+                check_deepspeed_plan(plan, precision=value)
+            msg = str(e.value)
+            assert f"{field}=2 with spec.training.precision {precision} is not supported" in msg
+            assert "without fp32 master weights" in msg
+            assert f"Set spec.training.precision to fp32, or {field} to 1" in msg
+            assert e.value.dimension == ("ep" if plan is ep else "sparse_shard") and e.value.degree == 2
+    check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, sparse_shard=1, zero_stage=2), precision=precision)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,27 @@ def test_gradient_accumulation_overrides_are_refused(tmp_path, capsys):
                                                              "train_batch_size": 32}})
     config_error(tmp_path, capsys, ["train", "--config", str(path)],
                  "spec.training.deepspeed.gradient_accumulation_steps")
+
+
+def test_shards_with_bf16_are_a_config_error_on_every_rank(tmp_path):
+    """ep=2 with bf16 (2 ranks, ZeRO-2, the tiny preset's 2 experts): the expert shards would train
+    without fp32 master weights. The trainer refused it with a plain ValueError (exit 1: Kubernetes
+    restarts the pod again and again); now check_deepspeed_plan, which the operator runs too, refuses it
+    at setup on every rank: exit 2 naming the fields and the fix, before anything is trained or saved."""
+    from tests.test_train_resume_multirank import run
+
+    path = manifest(tmp_path, "epbf16", training={"precision": "bf16"},
+                    parallelism={"numNodes": 1, "procsPerNode": 2, "zeroStage": 2, "plan": {"dpShard": 2, "ep": 2}})
+    code, out = run(path, tmp_path)
+    assert code != 0
+    fields = "spec.parallelism.plan.ep=2 with spec.training.precision bf16 is not supported"
+    assert f"gem train: {fields}" in out, out[-4000:]  # a config error, not a traceback
+    # torchrun's summary: exit 2 (a rank still starting when the other failed may be stopped by SIGTERM)
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)}
+    assert 2 in codes and codes <= {2, -signal.SIGTERM}, out[-4000:]
+    error = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert fields in error and "Set spec.training.precision to fp32, or spec.parallelism.plan.ep to 1" in error
+    assert checkpoint.latest_complete(tmp_path / "ckpt/local/epbf16") is None
 
 
 def test_eval_of_a_missing_checkpoint_is_a_config_error(tmp_path, capsys):
@@ -281,6 +304,80 @@ def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path
     assert after == [("fsync", str(job)), ("fsync", str(final / checkpoint.COMPLETE)), ("fsync", str(final)),
                      ("prune", "")]
     assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000002"]
+
+
+class _CheckpointEngine:
+    """DeepSpeed's pluggable checkpoint engine (TorchCheckpointEngine's interface); `full` fails its writes."""
+
+    def __init__(self, full: bool = False):
+        self.full = full
+
+    def save(self, state_dict, path):
+        if self.full:
+            raise OSError(28, "No space left on device", path)
+        Path(path).write_bytes(b"ds")
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def is_decoupled(self):
+        return False
+
+
+class _Engine:
+    """DeepSpeed's save_checkpoint: its writes through its checkpoint engine, then a barrier (here: a flag)."""
+
+    def __init__(self, full: bool = False):
+        self.checkpoint_engine = _CheckpointEngine(full)
+        self.reached_barrier = False
+
+    def save_checkpoint(self, save_dir, tag, save_latest):
+        self.checkpoint_engine.makedirs(str(Path(save_dir) / tag), exist_ok=True)
+        self.checkpoint_engine.save({}, str(Path(save_dir) / tag / "mp_rank_00_model_states.pt"))
+        self.reached_barrier = True
+
+
+def test_a_failed_write_inside_deepspeeds_save_still_reaches_its_barrier_and_leaves_no_checkpoint(tmp_path,
+                                                                                                   monkeypatch):
+    """The write error is recorded, not raised inside DeepSpeed's save_checkpoint (whose barrier the
+    other ranks wait in), then raised by save on every rank: CheckpointSaveError naming the rank, its
+    file and error; the temp dir is removed and the previous checkpoint stays the latest complete one."""
+    import torch
+
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+    job, env = tmp_path / "job", DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    checkpoint.save(_Engine(), env, job, step=1, manifest={}, state={"step": 1}, keep_last=1)
+    engine = _Engine(full=True)
+    inner = engine.checkpoint_engine
+    with pytest.raises(checkpoint.CheckpointSaveError) as e:
+        checkpoint.save(engine, env, job, step=2, manifest={}, state={"step": 2}, keep_last=1)
+    assert engine.reached_barrier and engine.checkpoint_engine is inner  # the engine is DeepSpeed's own again
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint step-00000002 under {job} was not saved: rank 0: writing "
+                          f"{job}/.tmp-step-00000002/mp_rank_00_model_states.pt: OSError: [Errno 28] No space left")
+    assert "a restart resumes from step-00000001" in msg
+    assert not (job / ".tmp-step-00000002").exists() and not (job / "step-00000002").exists()
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000001"]
+
+
+def test_a_failed_complete_marker_leaves_no_checkpoint_that_looks_complete(tmp_path, monkeypatch):
+    """Disk full while writing COMPLETE: an empty marker would make the step look complete. It is
+    removed with the step's directory; the older checkpoint is not pruned."""
+    import torch
+
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+    job, env = tmp_path / "job", DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    checkpoint.save(_Engine(), env, job, step=1, manifest={}, state={"step": 1}, keep_last=1)
+
+    def full_disk(path, text):
+        path.touch()  # created, nothing written
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", full_disk)
+    with pytest.raises(checkpoint.CheckpointSaveError, match=r"rank 0: publishing .*: OSError: \[Errno 28\]"):
+        checkpoint.save(_Engine(), env, job, step=2, manifest={}, state={"step": 2}, keep_last=1)
+    assert not (job / "step-00000002").exists() and not (job / ".tmp-step-00000002").exists()
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000001"]
 
 
 # --------------------------------------------------------------------------- MLflow

@@ -23,7 +23,8 @@ What DeepSpeed gets:
     `split_for_deepspeed` keeps them out of DeepSpeed's optimizer; the trainer syncs them and steps
     a second AdamW over them, clipped with the global norm of both (gem/train/optim.py
     ShardOptimizer, docs/parallelism.md §7). `check_deepspeed_plan` rejects ep > 1 and
-    sparse_shard > 1 at ZeRO-0 and ZeRO-3.
+    sparse_shard > 1 at ZeRO-0 and ZeRO-3, and (given the precision) with bf16 / mxfp8, where the
+    shards stepped outside DeepSpeed would have no fp32 master weights.
 """
 
 from __future__ import annotations

@@ -354,8 +354,18 @@ def deepspeed_auto_dims(zero_stage: int, precision: str = "fp32") -> tuple[froze
     return DEEPSPEED_DIMS, why
 
 
-def check_deepspeed_plan(plan: ParallelPlan) -> None:
-    """Raise PlanError for what the DeepSpeed path cannot run (named dimension, degree, world)."""
+#: Precisions that run DeepSpeed's bf16 mode (mxfp8: MX matmuls inside it, gem/train/precision.py).
+BF16_PRECISIONS = ("bf16", "mxfp8")
+_SPEC_FIELD = {"ep": "ep", "sparse_shard": "sparseShard"}
+
+
+def check_deepspeed_plan(plan: ParallelPlan, precision: Any = None) -> None:
+    """Raise PlanError for what the DeepSpeed path cannot run (named dimension, degree, world).
+
+    `precision` (spec.training.precision; None: not checked) matters to the shards kept outside
+    DeepSpeed: see the bf16 rule below. The operator (gem_operator/parallel.py) and the trainer
+    (gem/parallel/setup.py) both pass it, so a spec the trainer refuses is Invalid before it runs.
+    """
     for dim, degree in (("ep", plan.ep), ("sparse_shard", plan.sparse_shard)):
         if degree > 1 and plan.zero_stage not in SHARD_ZERO_STAGES:
             raise PlanError(
@@ -365,6 +375,25 @@ def check_deepspeed_plan(plan: ParallelPlan) -> None:
                 f"stage 3 partitions every module parameter); set zeroStage to 1 or 2, or {dim} to 1 "
                 f"(world size {plan.world_size}, {plan.describe()})", dimension=dim, degree=degree,
                 world_size=plan.world_size)
+    precision = str(getattr(precision, "value", precision)) if precision is not None else None
+    if precision not in BF16_PRECISIONS:
+        return
+    # DeepSpeed's bf16 mode casts the whole module to bf16 and keeps the fp32 master weights in its
+    # own optimizer only. The expert / embedding-row shards are stepped outside it (ShardOptimizer,
+    # gem/train/optim.py: a plain AdamW on the module's own parameters), so they would be updated
+    # in bf16 with no fp32 master copy: updates below bf16's 8-bit mantissa vanish. (At ZeRO-1,
+    # DeepSpeed's bf16 optimizer is also not the ZeRO optimizer ShardOptimizer.attach hooks into.)
+    for dim, degree in (("ep", plan.ep), ("sparse_shard", plan.sparse_shard)):
+        if degree > 1:
+            what = "expert" if dim == "ep" else "embedding-row"
+            raise PlanError(
+                f"spec.parallelism.plan.{_SPEC_FIELD[dim]}={degree} with spec.training.precision {precision} is not "
+                f"supported: DeepSpeed's bf16 mode{' (which mxfp8 runs in)' if precision == 'mxfp8' else ''} keeps "
+                f"fp32 master weights only for the parameters of its own optimizer, and the {what} shards are "
+                f"stepped outside it, so they would train in bf16 without fp32 master weights. Set "
+                f"spec.training.precision to fp32, or spec.parallelism.plan.{_SPEC_FIELD[dim]} to 1 "
+                f"(world size {plan.world_size}, {plan.describe()})",
+                dimension=dim, degree=degree, world_size=plan.world_size)
 
 
 #: Where fixed degrees come from, for the reason text.

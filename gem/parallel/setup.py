@@ -8,10 +8,11 @@
 The trainer path runs on DeepSpeed, so the automatic plan chooses plan.DEEPSPEED_DIMS, plus ep when
 the job can run it (ZeRO-1/2, fp32: plan.deepspeed_auto_dims, applied in job.choose_plan for the trainer
 and the operator alike); sparse_shard runs only when given explicitly. ep and sparse_shard need ZeRO-1/2
-(check_deepspeed_plan raises PlanError otherwise; the trainer keeps their shards out of DeepSpeed,
-gem/train/optim.py ShardOptimizer). The hints come from the model itself (model_shape_hints: the
-layers its tp plan splits, its experts). Under the operator
-the plan comes from GEM_TOPOLOGY (gem/parallel/job.py), so the trainer runs what the status shows.
+and fp32 (check_deepspeed_plan(plan, precision) raises PlanError otherwise: the trainer steps their
+shards outside DeepSpeed, gem/train/optim.py ShardOptimizer, where bf16 has no fp32 master weights).
+The hints come from the model itself (model_shape_hints: the layers its tp plan splits, its
+experts). Under the operator the plan comes from GEM_TOPOLOGY (gem/parallel/job.py), so the trainer
+runs what the status shows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from typing import Any
 
 from torch import nn
 
-from gem.parallel.deepspeed_config import DEEPSPEED_DIMS, DeepSpeedMPU, deepspeed_config_fragment, prepare_deepspeed
+from gem.parallel.deepspeed_config import (
+    DEEPSPEED_DIMS,
+    DeepSpeedMPU,
+    check_deepspeed_plan,
+    deepspeed_config_fragment,
+    prepare_deepspeed,
+)
 from gem.parallel.job import JobParallelism, plan_for_job
 from gem.parallel.mesh import ParallelMesh, build_mesh
 from gem.parallel.parallelize import model_shape_hints, parallelize
@@ -68,6 +75,9 @@ def setup_parallel(model: nn.Module, spec, *, world_size: int, rank: int, procs_
     hints = model_shape_hints(model, max_seq_len=max_seq_len)
     job = plan_for_job(spec.parallelism, spec.training, world_size=world_size, procs_per_node=procs_per_node,
                        hints=hints, allowed=DEEPSPEED_DIMS)
+    # the precision rule too (ep / sparse_shard shards have no fp32 masters under bf16), as the operator
+    # checks it: raised on every rank alike, before any process group is built
+    check_deepspeed_plan(job.plan, precision=spec.training.precision)
     if rank == 0:
         for note in job.notes:
             log.warning("parallel: %s", note)

@@ -22,6 +22,13 @@ it, renames it to step-XXXXXXXX, fsyncs the job dir, writes COMPLETE (fsynced, w
 -> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any point leaves
 either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`; a
 checkpoint marked COMPLETE is on disk before any older one is deleted.
+A rank that fails to write its part (disk full on one node, a permission error) must not leave the
+others in a barrier (NCCL: until the 30-minute collective timeout): each rank records its own write
+errors and still joins every collective, DeepSpeed's save included (its checkpoint engine, which does
+every torch.save of the save, is wrapped for that); the verdicts are all-gathered where the barriers
+were, and every rank raises the same CheckpointSaveError naming each failed rank and its error. The
+temp dir is removed and nothing of the step is marked COMPLETE; the run stops (exit 1) and a restart
+resumes from the previous complete checkpoint.
 With several nodes, checkpoint.path must be shared storage (checkpoint.claimName): otherwise a
 node's shards are invisible to the others and resuming starts from scratch.
 """
@@ -200,39 +207,182 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(path)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint some rank could not write: raised on every rank together, naming each failed rank."""
+
+
+class _RankFailure:
+    """This rank's first error while saving; the later non-collective steps of a failed rank are skipped.
+
+    Each rank runs its own writes through `attempt`, which records the error instead of raising it, so
+    the rank still enters every collective its peers enter; `verdict` then gathers all ranks' errors
+    (a collective that replaces a barrier) and every rank raises the same CheckpointSaveError.
+    """
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+        self.error: str | None = None
+
+    def attempt(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - OSError mostly; torch's writer raises RuntimeError
+            self.error = f"{what}: {type(e).__name__}: {e}"
+            log.error("rank %d: checkpoint save failed %s", self.env.rank, self.error)
+            return None
+
+    def write(self, path: str | os.PathLike, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`attempt` of a write to `path`; torch.save's zip writer reports a full disk only as an
+        opaque RuntimeError ("unexpected pos 128 vs 0"), so its error gets the free space there."""
+        result = self.attempt(f"writing {path}", fn, *args, **kwargs)
+        if self.error is not None and self.error.startswith(f"writing {path}: RuntimeError"):
+            try:
+                free = shutil.disk_usage(Path(path).parent).free
+                self.error += f" ({free / 2**20:.0f} MiB free on that filesystem)"
+            except OSError:
+                pass
+        return result
+
+    def verdict(self) -> list[str]:
+        """Every failed rank's `rank N: what: error`, the same list on every rank. Collective."""
+        return [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(self.error)) if err]
+
+
+class _ErrorRecordingEngine:
+    """DeepSpeed's checkpoint engine with this rank's write errors recorded (`_RankFailure`), not raised.
+
+    DeepSpeed's save_checkpoint has a barrier after each rank wrote its own files (its module states
+    on rank 0, each rank's ZeRO partition): a rank whose write raises never reaches it, and the others
+    wait there (NCCL: until the collective timeout, 30 min). Its checkpoint engine (the object that does
+    every torch.save and makedirs of a save) is pluggable: this one lets the save go on to that barrier
+    and `save` raise afterwards on every rank. Anything else is passed through.
+    """
+
+    def __init__(self, inner: Any, failure: _RankFailure):
+        self._inner, self._failure = inner, failure
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self._failure.write(path, self._inner.save, state_dict, path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self._failure.attempt(f"creating {path}", self._inner.makedirs, path, exist_ok=exist_ok)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _deepspeed_save(engine: Any, job: Path, tmp: Path, failure: _RankFailure) -> None:
+    """engine.save_checkpoint into tmp, with this rank's write errors recorded. Collective."""
+    inner = getattr(engine, "checkpoint_engine", None)
+    if inner is None or inner.is_decoupled():  # a decoupled (async) engine writes after the call returns
+        engine.save_checkpoint(str(job), tag=tmp.name, save_latest=False)
+        return
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)  # rank 0 copies zero_to_fp32.py into `job`
+    engine.checkpoint_engine = _ErrorRecordingEngine(inner, failure)
+    if copy_scripts is not None:
+        engine._copy_recovery_script = lambda path: failure.attempt(f"copying DeepSpeed's recovery scripts into "
+                                                                     f"{path}", copy_scripts, path)
+    try:
+        engine.save_checkpoint(str(job), tag=tmp.name, save_latest=False)
+    finally:
+        engine.checkpoint_engine = inner
+        if copy_scripts is not None:
+            del engine._copy_recovery_script  # the method again
+
+
+def _prepare_tmp(job: Path, tmp: Path) -> None:
+    job.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+    tmp.mkdir()
+
+
+def _write_own_files(env: DistEnv, tmp: Path, failure: _RankFailure, *, weights: dict[str, torch.Tensor],
+                     manifest: dict[str, Any], state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+    """This rank's files outside DeepSpeed's (rank 0: the model, manifest and trainer state too), each
+    write through `failure.attempt` (no fsync per file: _publish fsyncs the whole temp dir before renaming it)."""
+    def mkdir(path: Path) -> None:
+        failure.attempt(f"creating {path}", path.mkdir, exist_ok=True)
+
+    mkdir(tmp / "rng")
+    rng = tmp / "rng" / f"rank-{env.rank:05d}.pt"
+    failure.write(rng, torch.save, _rng_state(), rng)
+    if rank_state is not None:
+        mkdir(tmp / SHARDS_DIR)
+        shards = tmp / SHARDS_DIR / f"rank-{env.rank:05d}.pt"
+        failure.write(shards, torch.save, rank_state, shards)
+    if env.is_main:
+        failure.write(tmp / MODEL_FILE, torch.save, weights, tmp / MODEL_FILE)
+        failure.write(tmp / MANIFEST_FILE, (tmp / MANIFEST_FILE).write_text,
+                      yaml.safe_dump(manifest, sort_keys=False), "utf-8")
+        failure.write(tmp / STATE_FILE, (tmp / STATE_FILE).write_text, json.dumps(state, indent=2), "utf-8")
+
+
+def _abandon(env: DistEnv, job: Path, tmp: Path, final: Path, step: int, failed: list[str], *,
+             publishing: bool = False) -> CheckpointSaveError:
+    """Remove what the failed save of `step` left; the error every rank raises. Collective.
+
+    The temp dir is never loaded, but removed (a full disk gets its space back). `publishing`: rank 0
+    failed while turning it into `final` (_publish), which may be renamed already and even hold a
+    COMPLETE marker whose write failed half-way: the marker goes first, then the directory.
+    """
+    if env.is_main:
+        if publishing and final.is_dir():
+            try:
+                (final / COMPLETE).unlink(missing_ok=True)
+            except OSError as e:
+                log.error("could not remove %s of the failed save: %s", final / COMPLETE, e)
+            shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    if env.local_rank == 0 and not env.is_main:  # a node that does not share rank 0's filesystem
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_complete(job)
+    return CheckpointSaveError(
+        f"checkpoint {step_dir_name(step)} under {job} was not saved: {'; '.join(failed)}. Every rank stopped "
+        f"here and nothing of this step is marked {COMPLETE}: a restart resumes from "
+        f"{previous.name if previous else 'scratch (no complete checkpoint yet)'}. Fix the storage of the "
+        f"rank(s) named (free space, permissions, the volume of spec.checkpoint.claimName)")
+
+
 def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str, Any], state: dict[str, Any],
          keep_last: int, rank_state: dict[str, Any] | None = None) -> Path:
     """Save a checkpoint of `step` atomically; returns its final directory. Collective.
 
     `rank_state`: this rank's own state outside DeepSpeed (ShardOptimizer.state_dict()), written to
     shards/rank-NNNNN.pt inside the temp dir, so it is there before COMPLETE marks the checkpoint.
+
+    A rank that cannot write its part (disk full, a permission error) does not leave the others in a
+    barrier: each rank's writes record its error and the rank still joins every collective; the
+    verdicts are gathered where the barriers were, and every rank raises the same
+    CheckpointSaveError naming each failed rank and its error, with the temp dir removed and nothing
+    of this step marked COMPLETE.
     """
     final = job / step_dir_name(step)
     tmp = job / f".tmp-{step_dir_name(step)}"
+    failure = _RankFailure(env)
     if env.is_main:
-        job.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-        tmp.mkdir()
-    barrier()
-    tmp.mkdir(parents=True, exist_ok=True)  # a node that does not share the filesystem
+        failure.attempt(f"preparing {tmp}", _prepare_tmp, job, tmp)
+    failed = failure.verdict()  # rank 0 made tmp (a barrier)
+    if failed:
+        raise _abandon(env, job, tmp, final, step, failed)
+    failure.attempt(f"creating {tmp}", tmp.mkdir, parents=True, exist_ok=True)  # a node not sharing the filesystem
     # DeepSpeed's files: module, optimizer/ZeRO partitions and the LR scheduler. save_latest=False:
     # the COMPLETE marker, not DeepSpeed's `latest` file, says which checkpoints exist.
-    engine.save_checkpoint(str(job), tag=tmp.name, save_latest=False)
-    weights = full_state_dict(engine)
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank-{env.rank:05d}.pt")
-    if rank_state is not None:
-        (tmp / SHARDS_DIR).mkdir(exist_ok=True)
-        torch.save(rank_state, tmp / SHARDS_DIR / f"rank-{env.rank:05d}.pt")
-    if env.is_main:  # no fsync per file: _publish fsyncs the whole temp dir before renaming it
-        torch.save(weights, tmp / MODEL_FILE)
-        (tmp / MANIFEST_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
-    barrier()  # every rank's files are in tmp
+    _deepspeed_save(engine, job, tmp, failure)
+    weights = full_state_dict(engine)  # collective: every rank, failed or not
+    _write_own_files(env, tmp, failure, weights=weights, manifest=manifest, state=state, rank_state=rank_state)
+    failed = failure.verdict()  # every rank's files are in tmp (a barrier)
+    if failed:
+        raise _abandon(env, job, tmp, final, step, failed)
     if env.is_main:
-        _publish(tmp, final, step)
-        prune(job, keep_last)  # only once the new checkpoint is durable
-    barrier()
+        failure.attempt(f"publishing {tmp} as {final}", _publish, tmp, final, step)
+        if failure.error is None:
+            prune(job, keep_last)  # only once the new checkpoint is durable
+    failed = failure.verdict()  # the checkpoint is complete (a barrier)
+    if failed:
+        raise _abandon(env, job, tmp, final, step, failed, publishing=True)
     if env.local_rank == 0 and not env.is_main and tmp.exists():
         # This node does not see rank 0's filesystem: its shards can never form a checkpoint.
         log.warning("checkpoint.path %s is not shared with rank 0: use a shared volume (checkpoint.claimName) "

@@ -3,6 +3,7 @@
     env = init_distributed()                     # torchrun's world, or a world of one
     checkpoint root writable?                    # else SpecError (exit 2) now, not at the first save
     parallel = setup_parallel(model, spec, env)  # parallel plan (logged with its reason), groups, parallelized model
+                                                 # a plan the DeepSpeed path cannot run: SpecError (exit 2)
     engine = deepspeed.initialize(model, AdamW, warmup+cosine, config from the spec and plan, mpu)
         # ep / sparse_shard: expert and embedding-row shards stay out of DeepSpeed, with their own AdamW
         # (gem.train.optim.ShardOptimizer: synced after backward, clipped with the global norm)
@@ -11,6 +12,7 @@
     for step in start+1 .. training.steps:
         loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
         every evalEvery steps: evaluate;  every checkpoint.everySteps and at the end: save
+            (a rank that cannot write its files: every rank raises checkpoint.CheckpointSaveError together)
     evaluate; log to MLflow; return the final report (rank 0 writes it, see gem/train/report.py)
 """
 
@@ -32,6 +34,7 @@ from gem.data import Batch
 from gem.data.errors import SpecError
 from gem.data.sources import load_data
 from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
+from gem.parallel.plan import PlanError
 from gem.train import checkpoint
 from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
 from gem.train.optim import ShardOptimizer, build_optimizer
@@ -80,19 +83,22 @@ class Trainer:
         self.eval_examples = self.data.eval
         model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
         n_params = sum(p.numel() for p in model.parameters())  # whole: before tp / ep / ZeRO-3 shard it
-        self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
+        try:
+            self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
+        except PlanError as e:
+            # a plan the spec asks for and the DeepSpeed path cannot run (the operator refuses the same
+            # ones: gem.parallel.plan.check_deepspeed_plan): a config error, exit 2, not a restart loop.
+            # Raised alike on every rank, before any process group is built.
+            prefix = "" if str(e).startswith("spec.") else "spec.parallelism.plan: "
+            raise SpecError(f"{prefix}{e}") from e
         model = self.parallel.model
         plan = self.parallel.job.plan
         self.shard_opt: ShardOptimizer | None = None
-        if plan.ep > 1 or plan.sparse_shard > 1:
+        if plan.ep > 1 or plan.sparse_shard > 1:  # fp32 only: check_deepspeed_plan refused bf16 / mxfp8
             from gem.parallel.deepspeed_config import split_for_deepspeed
 
             dense, shards = split_for_deepspeed(model, plan, self.parallel.mesh)
             if shards:
-                if self.bf16:
-                    raise ValueError(f"training.precision {training.precision} with ep / sparse_shard is not "
-                                     "supported yet: the expert and embedding-row shards would train without fp32 "
-                                     "master weights; use fp32")
                 self.shard_opt = ShardOptimizer(model, shards, self.parallel.mesh, training)
         if self.shard_opt is None:
             optimizer, scheduler = build_optimizer(model, training)
@@ -207,6 +213,8 @@ class Trainer:
         return metrics
 
     def _save(self) -> Path:
+        """checkpoint.save (collective): a write failure on any rank raises the same CheckpointSaveError on
+        every rank, nothing of the step marked COMPLETE; it ends the run (exit 1) like any other failure."""
         state = {"step": self.step, "totalSteps": self.total_steps, "loader": self.loader.state_dict(),
                  "mlflowRunId": self.tracker.run_id}
         path = checkpoint.save(self.engine, self.env, self.job_dir, step=self.step,
