@@ -1,13 +1,13 @@
 """Generation rate of the synthetic ads world on one core: in memory and through the Parquet writer.
 
-    python -m benchmarks.data [--quick]
+    python -m benchmarks.data [--quick] [--out benchmarks/results/data.json]
 
 One process pinned to one CPU with OMP/MKL/OpenBLAS threads = 1. Measures
 SyntheticWorld.sample in chunks of CHUNK examples (examples/s and history events/s; the median
 chunk is reported, the best beside it), the same rate at several mean history lengths, and
 generate + write to zstd Parquet shards (gem.data.parquet.write_examples over
-SyntheticWorld.stream). Writes benchmarks/results/data.json and data.png. Informative only:
-no test asserts on time.
+SyntheticWorld.stream). Writes benchmarks/results/data.json and data.png (or --out and the PNG
+beside it). Informative only: no test asserts on time.
 
 Rates are examples per second of the process's CPU time (one thread, so one core's work): on
 an idle machine that equals wall time; on a shared one wall time also counts the time other
@@ -45,6 +45,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 CHUNK = 50_000
 TARGET = 50_000  # examples/s on one core (issue #4)
 HISTORY_LENS = (8, 16, 32, 48, 96, 192)
+QUICK_HISTORY_LENS = (8, 32)  # --quick: each length is a world of its own to build (~2 s of one core)
 # A world bigger than the default (2k users, 500 ads) so gathers are not all cache hits.
 WORLD = dict(seed=0, num_users=100_000, num_ads=5_000, num_train_examples=CHUNK, num_eval_examples=CHUNK,
              mean_history_len=48.0)
@@ -113,21 +114,23 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer chunks (a smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 2 chunks, 2 history lengths of 1 chunk each, 1 chunk to Parquet")
+    ap.add_argument("--out", type=Path, default=RESULTS / "data.json", help="the JSON; the PNG is written beside it")
     args = ap.parse_args(argv)
     cpu = pin_one_core()
-    reps = 3 if args.quick else 9
+    reps = 2 if args.quick else 9
     spec = SyntheticDataSpec(**WORLD)
     t0 = time.perf_counter()
     world = SyntheticWorld(spec)
     build_s = time.perf_counter() - t0
     main_rate = sample_rates(world, reps)
     by_len = []
-    for length in HISTORY_LENS:
+    for length in QUICK_HISTORY_LENS if args.quick else HISTORY_LENS:
         w = SyntheticWorld(spec.model_copy(update={"mean_history_len": float(length)}))
-        r = sample_rates(w, max(2, reps // 3))
+        r = sample_rates(w, 1 if args.quick else max(2, reps // 3))
         by_len.append({"mean_history_len": length, **r})
-    pq = parquet_rate(world, CHUNK * (2 if args.quick else 6))
+    pq = parquet_rate(world, CHUNK * (1 if args.quick else 6))
     result = {
         "examples_per_second": main_rate["examples_per_second"],
         "target_examples_per_second": TARGET,
@@ -143,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "numpy": np.__version__,
                     "cpus": os.cpu_count()},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "data.json").write_text(json.dumps(result, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
     try:
-        plot(result, RESULTS / "data.png")
+        plot(result, args.out.with_suffix(".png"))
     except ImportError:
         pass
     print(json.dumps({"examples_per_second": round(result["examples_per_second"]),

@@ -1,6 +1,6 @@
 """The GEM model's speed on this machine, measured side by side in one process.
 
-    python -m benchmarks.model [--quick] [--out benchmarks/results/model.json]
+    python -m benchmarks.model [--quick | --smoke] [--out benchmarks/results/model.json]
 
 Every figure is a ratio of two things timed in the same process and the same rounds: each
 round runs every contender once, in turn, and each contender's time is its best round (the
@@ -11,7 +11,9 @@ processes than cores, every multi-threaded op can wait a scheduler slice for its
 which penalises many small ops (the jagged side) far more than a few big ones.
 
 Reference workload (the issue's): batch 64, 4 heads, head dim 32, history lengths
-LogNormal(mu=5, sigma=1) rounded and clipped to [8, 2048], seed 0.
+LogNormal(mu=5, sigma=1) rounded and clipped to [8, 2048], seed 0. `--smoke` (a structure check
+whose figures mean nothing) runs every contender once, without a warm-up, on 8 sequences clipped
+to 256 events and block-attention lengths 8x shorter.
 
   jagged_attention_speedup      padded SDPA / jagged full attention (tiled, length buckets)
   block_attention_scaling       block attention time per sequence, L=16384 over L=2048
@@ -59,6 +61,9 @@ from gem.ops.testing import random_lengths  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BATCH, HEADS, HEAD_DIM, SEED = 64, 4, 32, 0
+MAX_LEN = 2048
+SMOKE_BATCH, SMOKE_MAX_LEN = 8, 256
+BLOCK_LENGTHS, SMOKE_BLOCK_LENGTHS = (2048, 16384), (256, 2048)  # short, long: block_attention_scaling
 EVENT_TYPE_PROBS = (0.5, 0.35, 0.15)  # impression, click, conversion: half the events in each tier
 
 TARGETS = {
@@ -74,9 +79,12 @@ TARGETS = {
 # --------------------------------------------------------------------------- timing
 
 
-def rounds(fns: dict[str, Callable[[], object]], *, num_rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+WARMUP = 1  # calls of every contender before the timed rounds; set by main() (0 for --smoke)
+
+
+def rounds(fns: dict[str, Callable[[], object]], *, num_rounds: int, warmup: int | None = None) -> dict[str, list[float]]:
     """Seconds per call of every fn, num_rounds times, interleaved (one call of each per round)."""
-    for _ in range(warmup):
+    for _ in range(WARMUP if warmup is None else warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -149,12 +157,12 @@ def fastest(times: dict[str, list[float]], prefix: str) -> str:
 # --------------------------------------------------------------------------- workloads
 
 
-def reference_lengths(batch: int = BATCH) -> torch.Tensor:
-    return random_lengths(torch.Generator().manual_seed(SEED), batch)
+def reference_lengths(batch: int = BATCH, max_len: int = MAX_LEN) -> torch.Tensor:
+    return random_lengths(torch.Generator().manual_seed(SEED), batch, max_len=max_len)
 
 
-def bench_jagged_attention(num_rounds: int) -> dict:
-    lengths = reference_lengths()
+def bench_jagged_attention(num_rounds: int, batch: int = BATCH, max_len: int = MAX_LEN) -> dict:
+    lengths = reference_lengths(batch, max_len)
     offsets = offsets_of(lengths)
     total, max_len = int(offsets[-1]), int(lengths.max())
     g = torch.Generator().manual_seed(SEED)
@@ -167,7 +175,7 @@ def bench_jagged_attention(num_rounds: int) -> dict:
 
     def padded(dtype):
         def run():
-            qp, kp, vp = (with_zero_row(x).index_select(0, rows.reshape(-1)).view(BATCH, max_len, HEADS, HEAD_DIM)
+            qp, kp, vp = (with_zero_row(x).index_select(0, rows.reshape(-1)).view(batch, max_len, HEADS, HEAD_DIM)
                           .transpose(1, 2) for x in qkv[dtype])
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=valid[:, None, None, :])
             return o.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)[valid.reshape(-1)]
@@ -179,7 +187,7 @@ def bench_jagged_attention(num_rounds: int) -> dict:
     def loop():
         return torch.cat([F.scaled_dot_product_attention(*(x[int(offsets[b]):int(offsets[b + 1])].transpose(0, 1)
                                                            for x in qkv[loop_dtype])).transpose(0, 1)
-                          for b in range(BATCH)])
+                          for b in range(batch)])
 
     fns = {f"{name}_{dt}": make(TORCH_DTYPE[dt]) for name, make in (("padded", padded), ("jagged", jagged))
            for dt in DTYPES}
@@ -193,8 +201,8 @@ def bench_jagged_attention(num_rounds: int) -> dict:
     tiled_pairs = sum(bk.size * bk.q_len * bk.k_len for bk in buckets.buckets)
     return {
         "jagged_attention_speedup": paired_ratio(times, best_padded, best_jagged),
-        "jagged_attention_ideal": BATCH * max_len**2 / pairs,
-        "jagged_attention_tile_ideal": BATCH * max_len**2 / tiled_pairs,
+        "jagged_attention_ideal": batch * max_len**2 / pairs,
+        "jagged_attention_tile_ideal": batch * max_len**2 / tiled_pairs,
         "jagged_attention_max_abs_err_fp32": err,
         "jagged_attention_num_buckets": len(buckets),
         "seconds": summary(times),
@@ -229,21 +237,21 @@ def bench_block_scaling(num_rounds: int, short: int = 2048, long: int = 16384) -
     return out
 
 
-def _inputs(cfg, batch=BATCH):
-    return random_inputs(cfg, reference_lengths(batch), seed=SEED, type_probs=EVENT_TYPE_PROBS)
+def _inputs(cfg, batch: int = BATCH, max_len: int = MAX_LEN):
+    return random_inputs(cfg, reference_lengths(batch, max_len), seed=SEED, type_probs=EVENT_TYPE_PROBS)
 
 
-def bench_compskip() -> dict:
+def bench_compskip(batch: int = BATCH, max_len: int = MAX_LEN) -> dict:
     cfg = PRESETS["small"]
-    inputs = _inputs(cfg)
+    inputs = _inputs(cfg, batch, max_len)
     torch.manual_seed(0)
     on, off = KunlunModel(cfg), KunlunModel(dataclasses.replace(cfg, compskip=False))
     lengths = on.tier_lengths(inputs)
     f_on, f_off = on.flops(lengths), off.flops(lengths)
     return {
         "compskip_flop_reduction": 1 - sum(f_on.values()) / sum(f_off.values()),
-        "flops_per_example_on": {k: v / BATCH for k, v in f_on.items()},
-        "flops_per_example_off": {k: v / BATCH for k, v in f_off.items()},
+        "flops_per_example_on": {k: v / batch for k, v in f_on.items()},
+        "flops_per_example_off": {k: v / batch for k, v in f_off.items()},
     }
 
 
@@ -251,9 +259,9 @@ def _autocast(dtype: str):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
-def bench_pffn(num_rounds: int) -> dict:
+def bench_pffn(num_rounds: int, batch: int = BATCH, max_len: int = MAX_LEN) -> dict:
     cfg = PRESETS["small"]
-    inputs = _inputs(cfg)
+    inputs = _inputs(cfg, batch, max_len)
     models = {}
     for name, c in (("pffn", cfg), ("token_ffn_4d", dataclasses.replace(cfg, seq_ffn="token_ffn", token_ffn_mult=4)),
                     ("token_ffn_1d", dataclasses.replace(cfg, seq_ffn="token_ffn", token_ffn_mult=1))):
@@ -292,9 +300,9 @@ def _train_step(model, inputs, dtype: str):
     return step
 
 
-def bench_train_step(num_rounds: int) -> dict:
+def bench_train_step(num_rounds: int, batch: int = BATCH, max_len: int = MAX_LEN) -> dict:
     cfg = PRESETS["small"]
-    inputs = _inputs(cfg)
+    inputs = _inputs(cfg, batch, max_len)
     torch.manual_seed(0)
     gem = KunlunModel(cfg)
     torch.manual_seed(0)
@@ -342,10 +350,11 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [("jagged attention\nspeedup", "jagged_attention_speedup", "jagged_attention_ideal"),
-            ("block attention\nscaling 16K/2K", "block_attention_scaling", "block_attention_ideal"),
+            ("block attention\nscaling {long}/{short}", "block_attention_scaling", "block_attention_ideal"),
             ("PFFN forward\nspeedup", "pffn_forward_speedup", "pffn_forward_ideal"),
             ("train step vs\npadded", "train_step_speedup_vs_padded", "train_step_ideal_vs_padded")]
     r = doc["results"]
+    rows = [(n.format(**doc["workload"].get("block_attention_lengths", {})), m, i) for n, m, i in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     ax = axes[0]
     x = range(len(rows))
@@ -371,7 +380,11 @@ def plot(doc: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run; noisier figures)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds (noisier figures)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a structure check: one call of each contender, batch {SMOKE_BATCH} clipped to "
+                        f"{SMOKE_MAX_LEN}, block attention {SMOKE_BLOCK_LENGTHS[1]}/{SMOKE_BLOCK_LENGTHS[0]} "
+                        "(the figures mean nothing)")
     p.add_argument("--out", type=Path, default=RESULTS / "model.json")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads (default: PyTorch's). On a machine loaded past its cores, 1 thread "
@@ -380,32 +393,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
-    n = 2 if args.quick else 5
+    n = 1 if args.smoke else 2 if args.quick else 5
+    batch, max_len = (SMOKE_BATCH, SMOKE_MAX_LEN) if args.smoke else (BATCH, MAX_LEN)
+    short, long = SMOKE_BLOCK_LENGTHS if args.smoke else BLOCK_LENGTHS
     t0 = time.time()
     load_before = os.getloadavg()
-    global DTYPES
+    global DTYPES, WARMUP
+    WARMUP = 0 if args.smoke else 1
     precision = precision_probe()
     DTYPES = tuple(precision["dtypes"])
     print(f"precisions timed: {DTYPES} (bf16 {precision['bf16']})", flush=True)
     parts = {}
-    parts["jagged_attention"] = bench_jagged_attention(n)
+    parts["jagged_attention"] = bench_jagged_attention(n, batch, max_len)
     print("jagged attention done", flush=True)
-    parts["block_attention"] = bench_block_scaling(n)
+    parts["block_attention"] = bench_block_scaling(n, short, long)
     print("block attention done", flush=True)
-    parts["compskip"] = bench_compskip()
-    parts["pffn"] = bench_pffn(n)
+    parts["compskip"] = bench_compskip(batch, max_len)
+    parts["pffn"] = bench_pffn(n, batch, max_len)
     print("pffn done", flush=True)
-    parts["train_step"] = bench_train_step(max(2, n - 1))
+    parts["train_step"] = bench_train_step(1 if args.smoke else max(2, n - 1), batch, max_len)
     results = {k: v for part in parts.values() for k, v in part.items() if isinstance(v, (int, float))}
     doc = {
-        "command": "python -m benchmarks.model" + (" --quick" if args.quick else "")
+        "command": "python -m benchmarks.model" + (" --smoke" if args.smoke else " --quick" if args.quick else "")
                    + (f" --threads {args.threads}" if args.threads else ""),
         "machine": {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
                     **machine.cpu(), "precision": precision,
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in os.getloadavg()]},
-        "workload": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "seed": SEED,
-                     "lengths": "LogNormal(5, 1) rounded, clipped to [8, 2048]", "model": "small",
+        "workload": {"batch": batch, "heads": HEADS, "head_dim": HEAD_DIM, "seed": SEED,
+                     "block_attention_lengths": {"short": short, "long": long},
+                     "lengths": f"LogNormal(5, 1) rounded, clipped to [8, {max_len}]", "model": "small",
                      "event_type_probs": dict(zip(("impression", "click", "conversion"), EVENT_TYPE_PROBS))},
         "targets": check(results),
         "results": results,

@@ -1,6 +1,6 @@
 """How fast the operator turns a burst of GEMTrainings into PyTorchJobs.
 
-    python -m benchmarks.operator [--resources 200] [--rounds 1]
+    python -m benchmarks.operator [--resources 200] [--rounds 1] [--quick] [--out benchmarks/results/operator.json]
 
 Against the API test server (tests/kubeapi, executor off: nothing runs, only the operator's
 work is measured), `gem-operator` runs as its own process, exactly as deployed. Once its
@@ -19,7 +19,8 @@ PyTorchJob appears. Reported:
   so the figures above are the operator's and not the server's; `operator_cpu_s` is the
   operator process's CPU time in the window.
 
-Writes benchmarks/results/operator.json and operator.png. Informative: no test asserts on time.
+Writes benchmarks/results/operator.json and operator.png (or --out and the PNG beside it).
+`--quick` is a smoke run: 20 GEMTrainings instead of 200. Informative: no test asserts on time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if str(ROOT) not in sys.path:
 RESULTS = ROOT / "benchmarks" / "results"
 API = "gem.dev/v1alpha1"
 TARGETS = {"time_to_last_job_s": 30.0, "reconcile_p99_s": 5.0}
+QUICK_RESOURCES = 20
 
 
 def _free_port() -> int:
@@ -188,13 +190,19 @@ def plot(rounds: list[dict], summary: dict, n: int, path: Path) -> None:
     right.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--resources", type=int, default=200, help="GEMTrainings created at once (default 200).")
+    p.add_argument("--resources", type=int, default=None, help="GEMTrainings created at once (default 200).")
     p.add_argument("--rounds", type=int, default=1, help="Repeat with a fresh server and operator (median reported).")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run: {QUICK_RESOURCES} GEMTrainings (unless --resources is given)")
+    p.add_argument("--out", type=Path, default=RESULTS / "operator.json", help="the JSON; the PNG is written beside it")
     args = p.parse_args(argv)
+    if args.resources is None:
+        args.resources = QUICK_RESOURCES if args.quick else 200
     rounds = []
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
@@ -216,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "operator.json").write_text(json.dumps(data, indent=2) + "\n")
-    plot(rounds, summary, args.resources, RESULTS / "operator.png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    plot(rounds, summary, args.resources, args.out.with_suffix(".png"))
     print(json.dumps(data, indent=2))
     return 0
 

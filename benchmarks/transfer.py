@@ -1,6 +1,6 @@
 """Transfer ratio of plain KD and of LoopFM, on the synthetic ads world.
 
-    python -m benchmarks.transfer [--quick] [--seeds N] [--steps N] [--fm-steps N] [--no-cache]
+    python -m benchmarks.transfer [--quick | --smoke] [--seeds N] [--steps N] [--fm-steps N] [--no-cache] [--out PATH]
 
 One process, fp32, CPU, every model trained by the same plain loop (AdamW, betas 0.9/0.98, warmup
 + cosine from gem.train.optim, batch 128) on the same world; the losses are the trainer Tasks'
@@ -38,7 +38,9 @@ request itself (not servable: an upper bound on what the representation holds); 
 how much of the user's hidden interest vector the memory mean and the student's own 8-event window
 explain (reads the world's latents: a diagnostic, never a model input).
 
-Writes benchmarks/results/transfer.json and transfer.png.
+Writes benchmarks/results/transfer.json and transfer.png (or --out and the PNG beside it). The
+results of record use --quick's world; --smoke is a far smaller one (a structure check, seconds of
+training: its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -70,8 +72,11 @@ FM_SPLIT = 3  # the platform's traffic the FM learns from (0: the vertical's tra
 FM_DATA_FACTOR = 4  # the FM sees 4x the vertical's impressions, as a foundation model sees every surface
 
 
-def data_spec(quick: bool) -> dict:
+def data_spec(quick: bool, smoke: bool = False) -> dict:
     """The vertical's world: its train split is what the students learn from."""
+    if smoke:
+        return {"seed": 7, "numUsers": 200, "numAds": 60, "numTrainExamples": 2000, "numEvalExamples": 1000,
+                "meanHistoryLen": 24}
     if quick:
         return {"seed": 7, "numUsers": 800, "numAds": 240, "numTrainExamples": 16000, "numEvalExamples": 6000,
                 "meanHistoryLen": 24}
@@ -230,7 +235,8 @@ def code_fingerprint() -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller world (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="smaller world (the one the results of record use)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny world (a structure check; the figures mean nothing)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of every student")
     ap.add_argument("--fm-steps", type=int, default=None, help="optimizer steps of the FM")
     ap.add_argument("--seeds", type=int, default=3)
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     from gem.train.checkpoint import load_model
 
     torch.set_num_threads(1)  # small models: threads only contend
-    data = data_spec(args.quick)
+    data = data_spec(args.quick, args.smoke)
     # One pass over the FM's traffic; two over the vertical's (more overfits the students' id tables).
     fm_examples = FM_DATA_FACTOR * data["numTrainExamples"]
     steps = args.steps or 2 * data["numTrainExamples"] // BATCH
@@ -369,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                    "seeds": args.seeds, "student": STUDENT, "kd_hidden": kd_hidden, "kd_alpha": args.kd_alpha,
                    "loopfm_alpha": args.alpha,
                    "temperature": args.temperature, "beta": dist.beta, "memory_k": dist.memory_k,
-                   "fm_preset": "tiny", "quick": args.quick},
+                   "fm_preset": "tiny", "quick": args.quick, "smoke": args.smoke},
         "command": "python -m benchmarks.transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
         "definition": "TR = (NE_baseline - NE_student) / (NE_baseline - NE_FM) per seed, averaged; "
                       "NE = mean(ne/click, ne/conversion) on the same held-out impressions",
