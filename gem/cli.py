@@ -5,6 +5,7 @@
     gem eval    --config FILE [--checkpoint DIR]
     gem serve-precompute --config FILE --checkpoint DIR [--port N]   # Solaris (docs/solaris.md)
     torchrun --nnodes N --nproc-per-node P -m gem train --config /etc/gem/config.yaml
+    torchrun --nproc-per-node P -m gem eval --config FILE    # each rank evaluates a shard, rank 0 reports
 
 The operator writes the resolved manifest to /etc/gem/config.yaml and sets
 GEM_TERMINATION_MESSAGE_PATH; the final report (or the error) goes there, see gem/train/report.py.
@@ -162,30 +163,97 @@ def _checkpoint_errors(checkpoint_dir: str) -> Iterator[None]:
                           f"directory ({_CHECKPOINT_DIR})") from e
 
 
-def _load_checkpoint_model(checkpoint_dir: str) -> Any:
+def _load_checkpoint_model(checkpoint_dir: str, *, with_manifest: bool = False) -> Any:
     from gem.train import checkpoint
 
     with _checkpoint_errors(checkpoint_dir):
-        model, _ = checkpoint.load_model(checkpoint_dir)
-    return model
+        model, saved = checkpoint.load_model(checkpoint_dir)
+    return (model, saved) if with_manifest else model
+
+
+def _eval_device() -> Any:
+    """Where the trainer evaluates (gem.train.dist.init_distributed): this process's GPU, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _on_every_rank(distributed: bool, fn: Any) -> Any:
+    """fn(), and on a failure of any rank the same failure on every rank (none left waiting in a collective)."""
+    from gem.train.dist import all_gather_objects
+
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - gathered, then raised again below
+        error, result = e, None
+    if not distributed:
+        if error is not None:
+            raise error
+        return result
+    verdicts = all_gather_objects(None if error is None else (isinstance(error, ConfigError), str(error)))
+    if error is not None:
+        raise error
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            is_config, message = verdict
+            raise (ConfigError if is_config else RuntimeError)(f"rank {rank}: {message}")
+    return result
 
 
 def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
-    import torch
-
+    """The checkpoint's metrics on spec.data's eval split: what the trainer's final evaluation reports
+    (gem.eval.evaluate.predictions_by_source + evaluate_sources: per-source keys when spec.data mixes
+    sources, the precision it trained in). Under torchrun each rank evaluates its shard of every
+    source; rank 0 prints the one report."""
     from gem.data.sources import load_data
-    from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
+    from gem.eval.evaluate import (
+        as_trained,
+        eval_autocast,
+        evaluate_sources,
+        finite_or_none,
+        predictions_by_source,
+    )
+    from gem.train.dist import all_gather_objects, barrier, broadcast_object, init_distributed, shutdown
 
-    checkpoint_dir = checkpoint_dir or _latest_checkpoint(manifest)
-    model = _load_checkpoint_model(checkpoint_dir)
-    with _spec_errors_as_config_errors():
-        eval_examples = load_data(manifest.spec.data, max_history=model.max_seq_len).eval
-    preds = collect_predictions(model, eval_examples, max_seq_len=model.max_seq_len, rank=0, world_size=1,
-                                device=torch.device("cpu"))
-    metrics = metrics_from_predictions([preds])
-    print(json.dumps({"checkpoint": checkpoint_dir, "ne": finite_or_none(metrics)["ne"],
-                      "metrics": finite_or_none(metrics)}), flush=True)
-    return 0
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    env = init_distributed() if distributed else None  # a world of one needs no process group
+    try:
+        rank, world_size = (env.rank, env.world_size) if env else (0, 1)
+        device = env.device if env else _eval_device()
+
+        # rank 0 picks the newest checkpoint (another may complete while the ranks look): all load that one
+        ckpt = broadcast_object(_on_every_rank(distributed, lambda: checkpoint_dir or (
+            _latest_checkpoint(manifest) if rank == 0 else None)))
+
+        def setup() -> tuple[Any, Any, Any]:
+            model, saved = _load_checkpoint_model(ckpt, with_manifest=True)
+            with _spec_errors_as_config_errors():
+                data = load_data(manifest.spec.data, max_history=model.max_seq_len)
+            return model, saved, data
+
+        model, saved, data = _on_every_rank(distributed, setup)
+        # the precision the checkpoint trained (and was evaluated) in: its gem.yaml's, not the --config's
+        precision = getattr(getattr(saved.spec, "training", None), "precision", "fp32")
+        model = as_trained(model, precision).to(device).eval()
+
+        def predict(batch: Any) -> Any:
+            with eval_autocast(device, precision):
+                return model(batch)
+
+        per_source = predictions_by_source(predict, data.eval_sources, max_seq_len=model.max_seq_len, rank=rank,
+                                           world_size=world_size, device=device,
+                                           gather=all_gather_objects if distributed else None)
+        if rank == 0:
+            metrics = finite_or_none(evaluate_sources(per_source, data.evaluated).metrics)
+            print(json.dumps({"checkpoint": ckpt, "ne": metrics["ne"], "metrics": metrics}), flush=True)
+        barrier()
+        return 0
+    finally:
+        if distributed:
+            shutdown()
 
 
 def _foundation_model(checkpoint_dir: str) -> Any:

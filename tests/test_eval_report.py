@@ -82,6 +82,23 @@ def test_metrics_cover_dwell_and_surfaces():
     assert np.isfinite(metrics_from_predictions(half)["ne/dwell"])
 
 
+def test_each_objective_id_has_its_own_entry():
+    """Ids outside purchase / install (a source with more objectives) each get `objective-<id>`, not one
+    shared `unknown` entry that the last of them overwrote; -1 (no objective recorded) stays `unknown`."""
+    _, ev = build_splits(SyntheticDataSpec(num_users=100, num_ads=40, num_train_examples=10, num_eval_examples=1200))
+    parts = oracle_parts(ev, ranks=1)
+    ids = np.array([0, 1, -1, 5, 7, 7])[np.arange(len(ev)) % 6]  # 200 rows each, 400 of id 7
+    parts[0]["objective"] = ids
+    click = build_eval_report(parts, ev)["tasks"]["click"]
+    groups = click["byObjective"]
+    assert set(groups) == {"purchase", "install", "unknown", "objective-5", "objective-7"}
+    assert {k: g["n"] for k, g in groups.items()} == {"purchase": 200, "install": 200, "unknown": 200,
+                                                      "objective-5": 200, "objective-7": 400}
+    assert sum(g["n"] for g in groups.values()) == click["n"] == len(ev)
+    conv = build_eval_report(parts, ev)["tasks"]["conversion"]["byObjective"]
+    assert sum(g["n"] for g in conv.values()) == int(ev.click.sum())
+
+
 def test_report_without_true_probabilities():
     _, ev = build_splits(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=500))
     parts = oracle_parts(ev, ranks=1)

@@ -1,8 +1,13 @@
-"""`gem eval` / `gem serve-precompute` given a --checkpoint that does not load: exit 2 naming the flag."""
+"""`gem eval` / `gem serve-precompute` given a --checkpoint that does not load: exit 2 naming the flag;
+`gem eval` reports what the trainer's final evaluation reported, in one process or under torchrun."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,3 +77,78 @@ def test_a_checkpoint_that_does_not_load_is_a_config_error(tmp_path, capsys, how
     assert "step-NNNNNNNN" in err  # says what to pass instead
     if command == "eval":  # the pod's termination message says it too
         assert f"--checkpoint {ckpt}" in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
+def _last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _same_metrics(got, want, tol=1e-6):
+    """Key by key: the same keys, each value within tol (None, JSON's NaN, on both sides alike)."""
+    assert sorted(got) == sorted(want)
+    off = {k: (got[k], want[k]) for k in want
+           if (got[k] is None) != (want[k] is None) or (want[k] is not None and abs(got[k] - want[k]) > tol)}
+    assert not off, off
+
+
+def _synthetic(seed, n_eval):
+    return {"seed": seed, "numUsers": 50, "numAds": 20, "numTrainExamples": 256, "numEvalExamples": n_eval,
+            "meanHistoryLen": 4}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eval_reports_the_trainers_final_metrics_of_a_mixed_run(tmp_path, capsys, precision):
+    """A mixed run's final report holds each source's metrics (ne/click@<source>, ..., a source left out of
+    the headline too); `gem eval` of its checkpoint reports the same keys and values, in the precision
+    the run trained in (bf16: bf16 weights under autocast, as DeepSpeed evaluated them, not model.pt's
+    fp32 masters)."""
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "mix"},
+           "spec": {"model": {"preset": "tiny"},
+                    "data": {"sources": [{"name": "feed", "synthetic": _synthetic(1, 200), "weight": 2},
+                                         {"name": "logs", "synthetic": _synthetic(2, 150), "evaluate": False}]},
+                    "training": {"steps": 4, "batchSize": 16, "warmupSteps": 1, "precision": precision},
+                    "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 4},
+                    "mlflow": {"enabled": False}}}
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump(obj))
+    assert cli.main(["train", "--config", str(config)]) == 0
+    trained = _last_json(capsys.readouterr().out)  # stdout: the whole report (the termination log may trim it)
+    assert {"ne/click@feed", "auc/click@logs", "num_examples@logs"} <= trained["metrics"].keys()
+    assert cli.main(["eval", "--config", str(config)]) == 0
+    evaluated = _last_json(capsys.readouterr().out)
+    assert evaluated["checkpoint"] == trained["checkpoint"]
+    _same_metrics(evaluated["metrics"], trained["metrics"])
+    assert evaluated["ne"] == pytest.approx(trained["ne"], abs=1e-6)
+    assert evaluated["metrics"]["num_examples"] == 200 and evaluated["metrics"]["num_examples@logs"] == 150
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_eval_under_torchrun_shards_the_split_and_rank_0_reports(tmp_path, capsys):
+    """2 processes: each evaluates its shard of every source; one report (rank 0's), equal to one process's."""
+    spec = {"model": {"preset": "tiny"},
+            "data": {"sources": [{"name": "a", "synthetic": _synthetic(1, 101)},
+                                 {"name": "b", "synthetic": _synthetic(2, 77)}]},
+            "mlflow": {"enabled": False}}
+    obj = {**MANIFEST, "spec": spec}
+    ckpt = a_checkpoint(tmp_path / "step-00000001")
+    config = tmp_path / "ev.yaml"
+    config.write_text(yaml.safe_dump(obj))
+    assert cli.main(["eval", "--config", str(config), "--checkpoint", str(ckpt)]) == 0
+    alone = _last_json(capsys.readouterr().out)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-torchrun")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), "-m", "gem", "eval", "--config", str(config),
+                           "--checkpoint", str(ckpt)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1, proc.stdout  # rank 0's only
+    sharded = json.loads(reports[0])
+    assert sharded["checkpoint"] == str(ckpt) and sharded["metrics"]["num_examples"] == 178  # no padding rows
+    _same_metrics(sharded["metrics"], alone["metrics"])

@@ -356,3 +356,39 @@ def test_shards_outside_deepspeed_need_fp32_and_the_message_names_the_fields_and
             assert f"Set spec.training.precision to fp32, or {field} to 1" in msg
             assert e.value.dimension == ("ep" if plan is ep else "sparse_shard") and e.value.degree == 2
     check_deepspeed_plan(ParallelPlan(world_size=4, dp_shard=4, sparse_shard=1, zero_stage=2), precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_job_planning_applies_the_precision_rule_itself(precision):
+    """plan_job / plan_for_job get spec.training: their own check_deepspeed_plan call applies its precision
+    rule (ep / sparseShard > 1 need fp32), on every path -- the spec's degrees, the automatic choice and the
+    operator's plan from GEM_TOPOLOGY -- so the callers need no second check."""
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import ENV_TOPOLOGY, build_topology, plan_for_job, plan_job
+    from gem.parallel.plan import DEEPSPEED_DIMS
+
+    hints = ModelShapeHints(num_experts=4)
+    for given, field in (({"ep": 2}, "spec.parallelism.plan.ep=2"),
+                         ({"sparseShard": 2, "ep": 1}, "spec.parallelism.plan.sparseShard=2")):
+        par = ParallelismSpec(num_nodes=1, procs_per_node=4, zero_stage=2, plan=given)
+        fp32, low = TrainingSpec(precision="fp32"), TrainingSpec(precision=precision)
+        op = plan_job(par, fp32, topology=build_topology(par, NodePool()), mode="none", hints=hints,
+                      allowed=DEEPSPEED_DIMS)
+        assert plan_for_job(par, fp32, world_size=4, procs_per_node=4, hints=hints, allowed=DEEPSPEED_DIMS,
+                            env={}).plan == op.plan
+        env = {ENV_TOPOLOGY: op.env()["value"]}  # the operator's plan, read back by the trainer
+        for plan in (lambda: plan_job(par, low, topology=build_topology(par, NodePool()), mode="none", hints=hints,
+                                      allowed=DEEPSPEED_DIMS),
+                     lambda: plan_for_job(par, low, world_size=4, procs_per_node=4, hints=hints,
+                                          allowed=DEEPSPEED_DIMS, env={}),
+                     lambda: plan_for_job(par.model_copy(update={"plan": None}), low, world_size=4, procs_per_node=4,
+                                          hints=hints, allowed=DEEPSPEED_DIMS, env=env)):
+            with pytest.raises(PlanError, match=f"{field} with spec.training.precision {precision} is not supported"):
+                plan()
+    # auto-chosen: ep stays 1 under bf16 (deepspeed_auto_dims), which the check accepts
+    auto = plan_for_job(ParallelismSpec(num_nodes=1, procs_per_node=4, zero_stage=2), TrainingSpec(precision=precision),
+                        world_size=4, procs_per_node=4, hints=hints, allowed=DEEPSPEED_DIMS, env={})
+    assert (auto.plan.ep, auto.plan.sparse_shard) == (1, 1)
+    # outside the DeepSpeed path (allowed=DIMS) the rule is not this module's to apply
+    plan_for_job(ParallelismSpec(num_nodes=1, procs_per_node=4, zero_stage=2, plan={"ep": 2}),
+                 TrainingSpec(precision=precision), world_size=4, procs_per_node=4, hints=hints, env={})

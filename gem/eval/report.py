@@ -18,7 +18,8 @@ JSON (`eval_report.json`):
 
 `bayesNe` (NE of the true probabilities) is present only where they are known (synthetic data;
 null for real logs). `bySurface` keys are surface ids (gem.data.synthetic.SURFACES names them);
-`byObjective` splits by the campaign's objective (what a conversion means). PNG: per task a
+`byObjective` splits by the campaign's objective (what a conversion means): `purchase`, `install`,
+`unknown` for a source that records none, and `objective-<id>` for each other id. PNG: per task a
 reliability diagram (mean label vs mean prediction in equal-count bins) and NE by surface with
 Bayes NE beside it.
 """
@@ -38,6 +39,7 @@ from gem.eval.metrics import auc, calibration, normalized_entropy
 
 TASKS = FUNNEL  # those the predictions hold are reported
 NUM_BINS = 10
+MISSING_OBJECTIVE = -1  # a source without objectives (gem.data.parquet.MISSING_INT["objective"])
 
 
 def _f(x: float) -> float | None:
@@ -80,10 +82,17 @@ def _task_block(y: np.ndarray, p: np.ndarray, p_true: np.ndarray | None, surface
         block["byObjective"] = {}
         for o in np.unique(objective):
             m = objective == o
-            name = OBJECTIVES[o] if 0 <= o < len(OBJECTIVES) else "unknown"  # e.g. -1: a source without objectives
-            block["byObjective"][name] = _group(y[m], p[m], None if p_true is None else p_true[m])
+            block["byObjective"][objective_name(int(o))] = _group(y[m], p[m], None if p_true is None else p_true[m])
     block["calibrationCurve"] = calibration_curve(y, p)
     return block
+
+
+def objective_name(o: int) -> str:
+    """byObjective's key: the known objectives by name, `unknown` where a source records none (Parquet's
+    missing value, -1), any other id (a source with more objectives) by its own `objective-<id>`."""
+    if 0 <= o < len(OBJECTIVES):
+        return OBJECTIVES[o]
+    return "unknown" if o == MISSING_OBJECTIVE else f"objective-{o}"
 
 
 def _column(cols: dict[str, np.ndarray], eval_examples: Any, name: str, n: int) -> np.ndarray | None:

@@ -117,9 +117,15 @@ def explicit_degrees(parallelism, training) -> tuple[dict[str, int], str, list[s
     return {}, "", []
 
 
+def _precision(training) -> Any:
+    """spec.training.precision (None without a training spec: check_deepspeed_plan then skips that rule)."""
+    return getattr(training, "precision", None)
+
+
 def choose_plan(parallelism, training, topology: Topology, *, hints: ModelShapeHints,
                 allowed: frozenset[str] = DIMS) -> tuple[ParallelPlan, str, str, list[str]]:
-    """(plan, reason, chosen, notes) for `topology`: the spec's degrees kept, the rest chosen. Raises PlanError."""
+    """(plan, reason, chosen, notes) for `topology`: the spec's degrees kept, the rest chosen. Raises PlanError,
+    on the DeepSpeed path (allowed != DIMS) also for what check_deepspeed_plan refuses with training.precision."""
     fixed, source, notes = explicit_degrees(parallelism, training)
     why_not: dict[str, str] = {}
     if allowed == DEEPSPEED_DIMS:  # the DeepSpeed path: ep as well when this job's stage and precision run it
@@ -128,8 +134,8 @@ def choose_plan(parallelism, training, topology: Topology, *, hints: ModelShapeH
         fixed["sparse_shard"] = 1  # unsharded tables where the path cannot shard them
     plan, reason = auto_plan(topology.world_size, topology, hints, zero_stage=parallelism.zero_stage,
                              allowed=allowed, fixed=fixed, given=source or GIVEN, why_not=why_not)
-    if allowed != DIMS:
-        check_deepspeed_plan(plan)
+    if allowed != DIMS:  # the DeepSpeed path: its rules, the precision one included (ep / sparse_shard need fp32)
+        check_deepspeed_plan(plan, precision=_precision(training))
     return plan, reason, ("spec" if fixed else "auto"), notes
 
 
@@ -191,7 +197,7 @@ def plan_for_job(parallelism, training, *, world_size: int, procs_per_node: int,
         plan = ParallelPlan.from_config(degrees, world_size=world_size, zero_stage=parallelism.zero_stage)
         plan.validate(topology)
         if allowed != DIMS:
-            check_deepspeed_plan(plan)
+            check_deepspeed_plan(plan, precision=_precision(training))
         return JobParallelism(plan=plan, reason=f"{info.get('reason', '')} (planned by the operator)",
                               topology=topology, placement=mode, chosen=info.get("chosen", "auto"),
                               pool_sizes=sizes, notes=tuple(notes))

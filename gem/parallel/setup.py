@@ -23,13 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from gem.parallel.deepspeed_config import (
-    DEEPSPEED_DIMS,
-    DeepSpeedMPU,
-    check_deepspeed_plan,
-    deepspeed_config_fragment,
-    prepare_deepspeed,
-)
+from gem.parallel.deepspeed_config import DEEPSPEED_DIMS, DeepSpeedMPU, deepspeed_config_fragment, prepare_deepspeed
 from gem.parallel.job import JobParallelism, plan_for_job
 from gem.parallel.mesh import ParallelMesh, build_mesh
 from gem.parallel.parallelize import model_shape_hints, parallelize
@@ -75,9 +69,6 @@ def setup_parallel(model: nn.Module, spec, *, world_size: int, rank: int, procs_
     hints = model_shape_hints(model, max_seq_len=max_seq_len)
     job = plan_for_job(spec.parallelism, spec.training, world_size=world_size, procs_per_node=procs_per_node,
                        hints=hints, allowed=DEEPSPEED_DIMS)
-    # the precision rule too (ep / sparse_shard shards have no fp32 masters under bf16), as the operator
-    # checks it: raised on every rank alike, before any process group is built
-    check_deepspeed_plan(job.plan, precision=spec.training.precision)
     if rank == 0:
         for note in job.notes:
             log.warning("parallel: %s", note)

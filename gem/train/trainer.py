@@ -33,7 +33,13 @@ import torch
 from gem.data import Batch
 from gem.data.errors import SpecError
 from gem.data.sources import load_data
-from gem.eval.evaluate import collect_predictions, finite_or_none, metrics_from_predictions
+from gem.eval.evaluate import (
+    collect_predictions,
+    evaluate_sources,
+    finite_or_none,
+    metrics_from_predictions,
+    predictions_by_source,
+)
 from gem.parallel.plan import PlanError
 from gem.train import checkpoint
 from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
@@ -191,26 +197,17 @@ class Trainer:
             with self._autocast():
                 return self.engine(batch)
 
-        per_source: dict[str, list[dict]] = {}
-        for name, examples in self.data.eval_sources.items():
-            mine = collect_predictions(predict, examples, max_seq_len=self.task.max_seq_len,
-                                       rank=self.parallel.data_rank, world_size=self.parallel.data_world_size,
-                                       device=self.env.device)
-            # one copy per data shard (tp/cp peers predicted the same examples); shard order = eval split order
-            parts = all_gather_objects(mine if self.parallel.is_data_writer else None)
-            per_source[name] = [p for p in parts if p is not None]
+        # one copy per data shard (tp/cp peers predicted the same examples); shard order = eval split order
+        per_source = predictions_by_source(
+            predict, self.data.eval_sources, max_seq_len=self.task.max_seq_len, rank=self.parallel.data_rank,
+            world_size=self.parallel.data_world_size, device=self.env.device,
+            gather=lambda mine: all_gather_objects(mine if self.parallel.is_data_writer else None))
         self.engine.train()
-        # in the order of self.eval_examples (gem/eval/report.py lines predictions up with it)
-        self._predictions = [p for name in self.data.evaluated for p in per_source[name]]
-        metrics = metrics_from_predictions(self._predictions)
         # per-surface keys (ne/click@surface=feed, ...) go to MLflow only: the final report must fit
         # the pod's 4 KB termination message; the eval report holds them too (gem/eval/report.py)
-        self._surface_metrics = {k: v for k, v in metrics_from_predictions(self._predictions, by_surface=True).items()
-                                 if k not in metrics}
-        if self.data.mixed:  # the effect of each source's weight, visible per source
-            for name, parts in per_source.items():
-                metrics.update({f"{k}@{name}": v for k, v in metrics_from_predictions(parts).items()})
-        return metrics
+        ev = evaluate_sources(per_source, self.data.evaluated, by_surface=True)
+        self._predictions, self._surface_metrics = ev.predictions, ev.surface_metrics
+        return ev.metrics
 
     def _save(self) -> Path:
         """checkpoint.save (collective): a write failure on any rank raises the same CheckpointSaveError on

@@ -29,7 +29,7 @@ from gem.parallel.placement import (
     summarize_placement,
     topology_env,
 )
-from gem.parallel.plan import DEEPSPEED_DIMS, ParallelPlan, check_deepspeed_plan
+from gem.parallel.plan import DEEPSPEED_DIMS, ParallelPlan
 from gem.parallel.topology import NodePool, Topology
 from gem_operator import kube
 
@@ -82,9 +82,6 @@ def plan(kind: str, obj: Any, defaults: render.PlatformDefaults,
         # spec.training.precision let it run (plan.deepspeed_auto_dims), as the trainer does.
         job = plan_job(par, obj.spec.training, topology=topology, mode=mode, hints=spec_hints(obj.spec),
                        allowed=DEEPSPEED_DIMS)
-        # what the trainer checks at setup (gem/parallel/setup.py): ep / sparse_shard with bf16 or mxfp8
-        # would fail there (exit 2, pods restarted) after the job had been created
-        check_deepspeed_plan(job.plan, precision=obj.spec.training.precision)
     except ValueError as e:  # PlanError names the dimension, its degree, the world size and the level
         level = getattr(e, "level", None)
         dim = getattr(e, "dimension", None)
