@@ -307,11 +307,13 @@ def test_deletecollection_and_namespace_deletion(core, ns):
 
 def test_core_kinds_events_leases_and_direct_helpers(server, api, ns):
     core = client.CoreV1Api(api)
-    core.create_namespaced_event(ns, {"metadata": {"generateName": "e-"}, "involvedObject": {"kind": "Pod", "name": "p"},
+    core.create_namespaced_event(ns, {"metadata": {"generateName": "e-"},
+                                      "involvedObject": {"kind": "Pod", "name": "p", "namespace": ns},
                                       "reason": "Test", "message": "hello", "type": "Normal"})
     assert [e.message for e in core.list_namespaced_event(ns).items] == ["hello"]
     ev = client.EventsV1Api(api)
     ev.create_namespaced_event(ns, {"metadata": {"name": "e2"}, "eventTime": "2024-01-01T00:00:00.000000Z",
+                                    "regarding": {"kind": "Pod", "name": "p", "namespace": ns}, "type": "Normal",
                                     "reportingController": "x", "reportingInstance": "y", "action": "A", "reason": "R"})
     assert len(ev.list_namespaced_event(ns).items) == 1
     co = client.CoordinationV1Api(api)
@@ -322,3 +324,267 @@ def test_core_kinds_events_leases_and_direct_helpers(server, api, ns):
     core.create_namespaced_service(ns, {"metadata": {"name": "svc"}, "spec": {"ports": [{"port": 80}]}})
     assert server.get("v1", "Secret", "s", ns)["data"] == {"a": "Yg=="}
     assert [s["metadata"]["name"] for s in server.list("v1", "Service", ns)] == ["svc"]
+
+
+# --------------------------------------------------------------------------- what a real apiserver refuses
+
+
+def _status(e):
+    import json
+
+    return json.loads(e.value.body)
+
+
+def test_labels_annotations_owner_references_and_finalizers_are_validated(core, ns):
+    """ObjectMeta validation (apimachinery objectmeta.go): 422 with one cause per bad field."""
+    long_value = "x" * 64
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, cm("a", {"gem.dev/name": long_value}))
+    st = _status(e)
+    assert e.value.status == 422 and st["reason"] == "Invalid"
+    assert st["details"]["causes"] == [{"reason": "FieldValueInvalid", "field": "metadata.labels",
+                                        "message": f'Invalid value: "{long_value}": must be no more than 63 characters'}]
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, cm("a", {"bad key": "v"}))
+    assert e.value.status == 422 and "name part must consist of alphanumeric characters" in _status(e)["message"]
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, {"metadata": {"name": "a", "annotations": {"a/b/c": "v"}}})
+    assert e.value.status == 422 and _status(e)["details"]["causes"][0]["field"] == "metadata.annotations"
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, {"metadata": {"name": "a", "ownerReferences": [
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "o1", "uid": "u1", "controller": True},
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "o2", "uid": "", "controller": True}]}})
+    fields = [c["field"] for c in _status(e)["details"]["causes"]]
+    assert e.value.status == 422 and fields == ["metadata.ownerReferences.uid", "metadata.ownerReferences"]
+    assert "Only one reference can have Controller set to true" in _status(e)["message"]
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, {"metadata": {"name": "a", "finalizers": ["orphan", "foregroundDeletion"]}})
+    assert e.value.status == 422 and "cannot be both set" in _status(e)["message"]
+    # updates are validated too, and a deleting object takes no new finalizer
+    core.create_namespaced_config_map(ns, {"metadata": {"name": "f", "finalizers": ["test.dev/hold"]}})
+    with pytest.raises(ApiException) as e:
+        core.patch_namespaced_config_map("f", ns, {"metadata": {"labels": {"k": "-bad-"}}})
+    assert e.value.status == 422
+    core.delete_namespaced_config_map("f", ns)
+    with pytest.raises(ApiException) as e:
+        core.patch_namespaced_config_map("f", ns, {"metadata": {"finalizers": ["test.dev/hold", "test.dev/new"]}})
+    assert e.value.status == 422 and _status(e)["details"]["causes"][0]["message"] == (
+        'Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers '
+        '[]string{"test.dev/new"}')
+    core.patch_namespaced_config_map("f", ns, {"metadata": {"finalizers": None}})
+
+
+def test_names_by_kind_and_generate_name(core, ns):
+    """Services are DNS-1035 labels (no leading digit); generateName is cut to 58 characters + 5."""
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_service(ns, {"metadata": {"name": "1svc"}, "spec": {"ports": [{"port": 80}]}})
+    assert e.value.status == 422 and "a DNS-1035 label must consist of" in _status(e)["message"]
+    core.create_namespaced_config_map(ns, cm("1cm"))  # a subdomain may start with a digit
+    gen = core.create_namespaced_config_map(ns, {"metadata": {"generateName": "g" * 70}})
+    assert len(gen.metadata.name) == 63 and gen.metadata.name.startswith("g" * 58)
+    assert not set(gen.metadata.name[58:]) & set("aeiou013")
+    # core/v1 Event names only need to be path segments
+    core.create_namespaced_event(ns, {"metadata": {"name": "Not_A.Subdomain"}, "involvedObject": {"namespace": ns},
+                                      "reason": "R", "message": "m"})
+
+
+def test_field_selectors_only_on_fields_the_kind_supports(core, custom, ns):
+    core.create_namespaced_config_map(ns, cm("a"))
+    with pytest.raises(ApiException) as e:
+        core.list_namespaced_config_map(ns, field_selector="data.k=v")
+    assert e.value.status == 400 and _status(e)["message"] == (
+        '"data.k" is not a known field selector: only "metadata.name", "metadata.namespace"')
+    with pytest.raises(ApiException) as e:
+        custom.list_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", field_selector="spec.runPolicy=x")
+    assert e.value.status == 400 and _status(e)["message"] == "field label not supported: spec.runPolicy"
+    with pytest.raises(ApiException) as e:
+        for _ in watch.Watch().stream(core.list_namespaced_config_map, ns, field_selector="data.k=v", timeout_seconds=1):
+            pass
+    assert e.value.status == 400
+    with pytest.raises(ApiException) as e:
+        core.delete_collection_namespaced_config_map(ns, field_selector="data.k=v")
+    assert e.value.status == 400
+    assert core.list_namespaced_pod(ns, field_selector="status.phase=Running,spec.nodeName=n").items == []
+    core.create_namespaced_event(ns, {"metadata": {"name": "e"}, "involvedObject": {"namespace": ns, "name": "x"},
+                                      "reason": "R", "message": "m", "source": {"component": "me"}})
+    assert [x.metadata.name for x in core.list_namespaced_event(ns, field_selector="source=me,involvedObject.name=x").items] == ["e"]
+
+
+def test_label_selector_values_are_validated(core, ns):
+    with pytest.raises(ApiException) as e:
+        core.list_namespaced_config_map(ns, label_selector="gem.dev/name=" + "x" * 64)
+    assert e.value.status == 400 and _status(e)["message"].startswith(
+        'unable to parse requirement: values[0][gem.dev/name]: Invalid value: "' + "x" * 64)
+
+
+def test_paginated_list_is_a_consistent_snapshot(core, ns):
+    """etcd3 pagination: later pages come from the first page's snapshot, with its resourceVersion."""
+    for n in ("a", "b", "c", "d", "e"):
+        core.create_namespaced_config_map(ns, cm(n, data={"v": "1"}))
+    p1 = core.list_namespaced_config_map(ns, limit=2)
+    assert [i.metadata.name for i in p1.items] == ["a", "b"]
+    assert p1.metadata.remaining_item_count == 3 and p1.metadata._continue
+    core.create_namespaced_config_map(ns, cm("bb"))       # after the snapshot: not listed
+    core.delete_namespaced_config_map("c", ns)            # listed as it was
+    core.patch_namespaced_config_map("d", ns, {"data": {"v": "2"}})
+    p2 = core.list_namespaced_config_map(ns, limit=2, _continue=p1.metadata._continue)
+    assert [(i.metadata.name, i.data["v"]) for i in p2.items] == [("c", "1"), ("d", "1")]
+    assert p2.metadata.resource_version == p1.metadata.resource_version
+    p3 = core.list_namespaced_config_map(ns, limit=2, _continue=p2.metadata._continue)
+    assert [i.metadata.name for i in p3.items] == ["e"] and not p3.metadata._continue
+    with pytest.raises(ApiException) as e:
+        core.list_namespaced_config_map(ns, limit=2, _continue="not-a-token")
+    assert e.value.status == 400 and "invalid continue token" in _status(e)["message"]
+    with pytest.raises(ApiException) as e:
+        core.list_namespaced_config_map(ns, limit=2, _continue=p1.metadata._continue, resource_version="5")
+    assert e.value.status == 400 and "not allowed when using continue" in _status(e)["message"]
+
+
+def test_paginated_list_with_compacted_snapshot_gets_410(tmp_path):
+    with KubeAPIServer(crd_paths=[], history_size=3, workdir=tmp_path) as s:
+        core = client.CoreV1Api(s.api_client())
+        for n in ("a", "b", "c"):
+            core.create_namespaced_config_map("default", cm(n))
+        p1 = core.list_namespaced_config_map("default", limit=1)
+        for i in range(5):
+            core.create_namespaced_config_map("default", cm(f"z{i}"))
+        with pytest.raises(ApiException) as e:
+            core.list_namespaced_config_map("default", limit=1, _continue=p1.metadata._continue)
+        st = _status(e)
+        assert e.value.status == 410 and st["reason"] == "Expired" and "too old to display a consistent list" in st["message"]
+        # the Status carries a token that continues at the latest state
+        rest = core.list_namespaced_config_map("default", _continue=st["metadata"]["continue"])
+        assert [i.metadata.name for i in rest.items] == ["b", "c", "z0", "z1", "z2", "z3", "z4"]
+
+
+def test_unconditional_updates_and_uid_preconditions(core, custom, ns):
+    g, v, p = "kubeflow.org", "v1", "pytorchjobs"
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "j"},
+           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {"containers": [
+               {"name": "pytorch", "image": "x"}]}}}}}}
+    created = custom.create_namespaced_custom_object(g, v, ns, p, job)
+    body = dict(created, metadata={"name": "j"})
+    with pytest.raises(ApiException) as e:  # custom resources refuse a PUT without resourceVersion
+        custom.replace_namespaced_custom_object(g, v, ns, p, "j", body)
+    assert e.value.status == 422 and _status(e)["message"] == (
+        'pytorchjobs.kubeflow.org "j" is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update')
+    core.create_namespaced_config_map(ns, cm("a"))
+    core.replace_namespaced_config_map("a", ns, cm("a", data={"k": "2"}))  # built-in kinds allow it
+    with pytest.raises(ApiException) as e:  # the body's uid is a precondition
+        core.replace_namespaced_config_map("a", ns, {"metadata": {"name": "a", "uid": "other"}, "data": {}})
+    assert e.value.status == 409 and "Precondition failed: UID in precondition: other" in _status(e)["message"]
+    with pytest.raises(ApiException) as e:  # and immutable in a patch
+        core.patch_namespaced_config_map("a", ns, {"metadata": {"uid": "other"}})
+    assert e.value.status == 422 and "metadata.uid" in _status(e)["message"]
+
+
+def test_terminating_namespace_refuses_new_objects(core, ns):
+    core.create_namespaced_config_map(ns, {"metadata": {"name": "held", "finalizers": ["test.dev/hold"]}})
+    core.delete_namespace(ns)
+    assert core.read_namespace(ns).status.phase == "Terminating"
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, cm("new"))
+    st = _status(e)
+    assert e.value.status == 403 and st["reason"] == "Forbidden"
+    assert st["message"] == f'configmaps "new" is forbidden: unable to create new content in namespace {ns} because it is being terminated'
+    assert st["details"]["causes"][0]["reason"] == "NamespaceTerminating"
+    core.patch_namespaced_config_map("held", ns, {"metadata": {"finalizers": None}})
+    with pytest.raises(ApiException) as e:
+        core.read_namespace(ns)
+    assert e.value.status == 404
+
+
+def test_events_are_validated(api, core, ns):
+    with pytest.raises(ApiException) as e:  # a legacy Event's namespace must be its object's
+        core.create_namespaced_event(ns, {"metadata": {"name": "e1"}, "involvedObject": {"namespace": "other"},
+                                          "reason": "R", "message": "m"})
+    assert e.value.status == 422 and _status(e)["details"]["causes"][0]["field"] == "involvedObject.namespace"
+    kopf_like = {"metadata": {"generateName": "kopf-event-"}, "involvedObject": {"namespace": ns, "name": "x"},
+                 "reason": "Logging", "message": "m", "type": "Normal", "eventTime": "2024-01-01T00:00:00.000000Z",
+                 "reportingComponent": "kopf", "reportingInstance": "dev", "source": {"component": "kopf"}}
+    core.create_namespaced_event(ns, dict(kopf_like, action="Action?"))
+    with pytest.raises(ApiException) as e:  # with eventTime: action, reason, reporting* are required
+        core.create_namespaced_event(ns, dict(kopf_like, message="x" * 1025))
+    fields = [c["field"] for c in _status(e)["details"]["causes"]]
+    assert e.value.status == 422 and fields == ["action", "message"]
+    with pytest.raises(ApiException) as e:  # events.k8s.io/v1: the strict rules
+        client.EventsV1Api(api).create_namespaced_event(ns, {
+            "metadata": {"name": "e2"}, "eventTime": "2024-01-01T00:00:00.000000Z", "regarding": {"namespace": ns},
+            "reportingController": "x", "reportingInstance": "y", "action": "A", "reason": "R", "deprecatedCount": 1})
+    fields = [c["field"] for c in _status(e)["details"]["causes"]]
+    assert e.value.status == 422 and fields == ["type", "count"]
+
+
+def test_request_options_are_validated(api, core, ns):
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_config_map(ns, cm("a"), dry_run="true")
+    assert e.value.status == 422 and _status(e)["message"] == (
+        'CreateOptions.meta.k8s.io "" is invalid: dryRun: Unsupported value: []string{"true"}: supported values: "All"')
+    core.create_namespaced_config_map(ns, cm("a"), dry_run="All")
+    assert core.list_namespaced_config_map(ns).items == []
+    core.create_namespaced_config_map(ns, cm("a"))
+    with pytest.raises(ApiException) as e:  # server-side apply needs a fieldManager
+        api.call_api(f"/api/v1/namespaces/{ns}/configmaps/a", "PATCH", body={"data": {"k": "v"}},
+                     header_params={"Content-Type": "application/apply-patch+yaml"})
+    assert e.value.status == 422 and "fieldManager: Required value: is required for apply patch" in _status(e)["message"]
+    with pytest.raises(ApiException) as e:
+        core.delete_namespaced_config_map("a", ns, propagation_policy="Sideways")
+    assert e.value.status == 422 and "propagationPolicy: Unsupported value" in _status(e)["message"]
+    assert core.read_namespaced_config_map("a", ns)
+
+
+def test_pytorchjob_admission_like_training_operator_webhook(custom, ns):
+    """training-operator v1.9's validating webhook: job names are DNS-1035 labels, Master has 1 replica."""
+    def job(name, master_replicas=1):
+        return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
+                "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": master_replicas, "template": {"spec": {
+                    "containers": [{"name": "pytorch", "image": "x"}]}}}}}}
+
+    with pytest.raises(ApiException) as e:
+        custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", job("a.b-train"))
+    st = _status(e)
+    assert e.value.status == 403 and st["reason"] == "Forbidden"
+    assert st["message"].startswith('admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied '
+                                    'the request: metadata.name: Invalid value: "a.b-train": should match: a DNS-1035 label')
+    with pytest.raises(ApiException) as e:
+        custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", job("two", 2))
+    assert e.value.status == 403 and "spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1" in _status(e)["message"]
+    custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", job("ok"))
+    with pytest.raises(ApiException) as e:  # updates too
+        custom.patch_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", "ok",
+                                              {"spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 3}}}})
+    assert e.value.status == 403
+
+
+def test_watch_events_keep_resource_version_order_across_threads():
+    """A write from another thread (a test, the executor's caller) and one on the server's loop
+    reach a watch in resourceVersion order, and a BOOKMARK never runs ahead of the events sent:
+    a client resuming from it would otherwise skip the event still in flight."""
+    import asyncio
+
+    from tests.kubeapi.store import Store
+
+    store = Store()
+    store.create(store.types[("", "namespaces")], "", {"metadata": {"name": "default"}})
+    cms = store.types[("", "configmaps")]
+    loop = asyncio.new_event_loop()
+    try:
+        w = store.watch(loop, cms, "default", str(store.rv), None, None)
+
+        async def scenario():
+            t = threading.Thread(target=lambda: store.create(cms, "default", {"metadata": {"name": "from-thread"}}))
+            t.start()
+            t.join()  # its event is scheduled on the loop, not queued yet
+            store.create(cms, "default", {"metadata": {"name": "on-loop"}})
+            store.bookmark(w)
+            await asyncio.sleep(0.05)
+            out = []
+            while not w.queue.empty():
+                etype, obj = w.queue.get_nowait()
+                out.append((etype, obj if etype == "BOOKMARK" else obj["metadata"]["name"]))
+            return out
+
+        got = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert got == [("ADDED", "from-thread"), ("ADDED", "on-loop"), ("BOOKMARK", str(store.rv))]

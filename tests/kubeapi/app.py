@@ -7,8 +7,10 @@ and simpler than hundreds of registered routes, and CRDs appear at run time).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
+import re
 import time
 from typing import Any, Callable
 from urllib.parse import unquote
@@ -16,9 +18,10 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from . import patch as patches
-from .errors import ApiError
+from . import validation
+from .errors import ApiError, invalid
 from .faults import Faults
-from .store import ResourceType, Store
+from .store import ResourceType, Store, _split_selector, object_key
 
 LogProvider = Callable[[str, str, str | None], Any]
 
@@ -34,6 +37,67 @@ def dumps(obj: Any) -> bytes:
 
 def jresponse(obj: Any, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+#: Messages of etcd3's list paths (apiserver storage/etcd3/store.go, storage/errors).
+INCONSISTENT_CONTINUE = (
+    "The provided continue parameter is too old to display a consistent list result. You can start a new list "
+    "without the continue parameter, or use the continue token in this response to retrieve the remainder of the "
+    "results. Continuing with the provided token results in an inconsistent list - objects that were created, "
+    "modified, or deleted between the time the first chunk was returned and now may show up in the list."
+)
+
+
+def encode_continue(start: str, rv: int) -> str:
+    """storage.EncodeContinue: base64url (unpadded) JSON of the snapshot rv and the next key."""
+    raw = json.dumps({"v": "meta.k8s.io/v1", "rv": rv, "start": start}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_continue(token: str) -> tuple[str, int]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        c = json.loads(raw)
+        if not isinstance(c, dict):
+            raise ValueError("not an object")
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"invalid continue token: continue key is not valid: {e}", "BadRequest")
+    if c.get("v") != "meta.k8s.io/v1":
+        raise ApiError(400, "invalid continue token: continue key is not valid: server does not recognize this encoded key",
+                       "BadRequest")
+    if not c.get("rv"):
+        raise ApiError(400, "invalid continue token: continue key is not valid: incorrect encoded start resourceVersion "
+                            "(version meta.k8s.io/v1)", "BadRequest")
+    if not c.get("start"):
+        raise ApiError(400, "invalid continue token: continue key is not valid: encoded start key empty", "BadRequest")
+    return str(c["start"]), int(c["rv"])
+
+
+_FIELD_REQ = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(==|=|!=)\s*(.*?)\s*$")
+
+
+def field_selector_for(t: ResourceType, sel: str | None) -> str | None:
+    """Check a fieldSelector's labels against what the kind supports (400 otherwise, like
+    ConvertFieldLabel) and map the labels that do not name a path (`source`) to one."""
+    if not sel:
+        return sel
+    labels, out = [], []
+    for part in _split_selector(sel):
+        m = _FIELD_REQ.match(part)
+        if not m:
+            raise ApiError(400, f"invalid selector: '{sel}'; can't understand '{part.strip()}'", "BadRequest")
+        label, op, val = m.groups()
+        labels.append(label)
+        out.append(f"{validation.FIELD_PATHS.get((t.group, t.plural, label), label)}{op}{val}")
+    validation.check_field_labels(t.group, t.plural, t.custom, t.namespaced, labels)
+    return ",".join(out)
+
+
+def check_options(kind: str, q: Any, patch_type: str | None = None, body: dict | None = None) -> None:
+    errs = (validation.delete_options_errors(q, body or {}) if kind == "DeleteOptions"
+            else validation.options_errors(kind, q, patch_type))
+    if errs:
+        raise invalid(kind, "meta.k8s.io", "", errs)
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -178,11 +242,13 @@ class KubeApp:
                 body = await self.read_body(request)
                 if t.namespaced and ns is None:
                     raise ApiError(405, "POST on a namespaced collection needs a namespace")
+                check_options("CreateOptions", q)
                 obj = self.store.create(t, ns or "", body, version, dry_run=dry_run)
                 return jresponse(self.out(obj, t, version), 201)
             if m == "DELETE":
                 body = await self.read_body(request, optional=True) or {}
-                items, _ = self.store.list(t, ns, q.get("labelSelector"), q.get("fieldSelector"))
+                check_options("DeleteOptions", q, body=body)
+                items, _ = self.store.list(t, ns, q.get("labelSelector"), field_selector_for(t, q.get("fieldSelector")))
                 gone = []
                 for o in items:
                     try:
@@ -200,12 +266,19 @@ class KubeApp:
             return jresponse(self.out(self.store.get(t, ns or "", name), t, version))
         if m == "PUT":
             body = await self.read_body(request)
+            check_options("UpdateOptions", q)
+            if (t.custom or t.key == ("apiextensions.k8s.io", "customresourcedefinitions")) and isinstance(body, dict) \
+                    and not (body.get("metadata") or {}).get("resourceVersion"):
+                # their strategies refuse unconditional updates (AllowUnconditionalUpdate() == false)
+                raise invalid(t.plural, t.group, name, [("metadata.resourceVersion", "FieldValueInvalid",
+                                                         "Invalid value: 0x0: must be specified for an update")])
             obj = self.store.update(t, ns or "", name, body, subresource=sub, version=version, dry_run=dry_run)
             return jresponse(self.out(obj, t, version))
         if m == "PATCH":
             return await self.patch(request, t, version, ns or "", name, sub, dry_run)
         if m == "DELETE":
             body = await self.read_body(request, optional=True) or {}
+            check_options("DeleteOptions", q, body=body)
             obj = self.store.delete(t, ns or "", name, self.propagation(q, body), body.get("preconditions"), dry_run)
             return jresponse(self.out(obj, t, version))
         raise ApiError(405, f"method {m} not allowed")
@@ -249,20 +322,48 @@ class KubeApp:
                 "items": [self.out(o, t, version) for o in items]}
 
     def list_response(self, t: ResourceType, version: str, ns: str | None, q: Any) -> web.Response:
-        items, rv = self.store.list(t, ns, q.get("labelSelector"), q.get("fieldSelector"))
-        cont = None
-        start = int(q.get("continue") or 0)
-        limit = int(q.get("limit") or 0)
-        if start:
-            items = items[start:]
-        if limit and len(items) > limit:
+        """A list, paginated like etcd3: every page is served from the first page's snapshot
+        (same resourceVersion), the continue token names the snapshot and the next key, and a
+        token whose snapshot has been compacted is 410 Expired."""
+        labels, fields = q.get("labelSelector"), field_selector_for(t, q.get("fieldSelector"))
+        try:
+            limit = int(q.get("limit") or 0)
+        except ValueError:
+            raise ApiError(400, f"invalid limit: {q.get('limit')!r}", "BadRequest")
+        token = q.get("continue")
+        if token:
+            if q.get("resourceVersion") not in (None, "", "0"):
+                raise ApiError(400, "specifying resource version is not allowed when using continue", "BadRequest")
+            start, snap = decode_continue(token)
+            if snap == -1:  # "continue at the latest", handed out with a 410 below
+                items, rv = self.store.list(t, ns, labels, fields)
+            else:
+                try:
+                    items = self.store.snapshot(t, ns, snap, labels, fields)
+                except ApiError as e:
+                    if e.code != 410:
+                        raise
+                    raise ApiError(410, INCONSISTENT_CONTINUE, "Expired",
+                                   metadata={"continue": encode_continue(start, -1)}) from None
+                rv = str(snap)
+            items = [o for o in items if object_key(o) >= start]
+        else:
+            items, rv = self.store.list(t, ns, labels, fields)
+        cont, remaining = None, None
+        if limit > 0 and len(items) > limit:
+            if not labels and not fields:
+                remaining = len(items) - limit
             items = items[:limit]
-            cont = str(start + limit)
-        return jresponse(self.list_body(t, version, items, rv, cont))
+            cont = encode_continue(object_key(items[-1]) + "\x00", int(rv))
+        body = self.list_body(t, version, items, rv, cont)
+        if remaining is not None:
+            body["metadata"]["remainingItemCount"] = remaining
+        return jresponse(body)
 
     async def patch(self, request: web.Request, t: ResourceType, version: str, ns: str, name: str,
                     sub: str | None, dry_run: bool) -> web.Response:
         ctype = request.content_type
+        check_options("PatchOptions", request.query, ctype)
         body = await self.read_body(request)
         if ctype == "application/apply-patch+yaml":
             # server-side apply, approximated: create if missing, else merge
@@ -290,6 +391,9 @@ class KubeApp:
             import copy as _copy
 
             new = _copy.deepcopy(new)
+            new_uid = (new.get("metadata") or {}).get("uid")
+            if new_uid and new_uid != old["metadata"]["uid"]:
+                raise invalid(t.kind, t.group, name, [validation.invalid("metadata.uid", new_uid, "field is immutable")])
             patched_rv = (new.get("metadata") or {}).get("resourceVersion")
             check = patched_rv is not None and patched_rv != old["metadata"]["resourceVersion"]
             if not check:
@@ -303,7 +407,8 @@ class KubeApp:
         q = request.query
         loop = asyncio.get_running_loop()
         try:
-            w = self.store.watch(loop, t, ns, q.get("resourceVersion"), q.get("labelSelector"), q.get("fieldSelector"))
+            w = self.store.watch(loop, t, ns, q.get("resourceVersion"), q.get("labelSelector"),
+                                 field_selector_for(t, q.get("fieldSelector")))
         except ApiError as e:
             if e.code != 410:
                 raise
@@ -317,6 +422,13 @@ class KubeApp:
         bookmarks = qbool(q, "allowWatchBookmarks")
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
         deadline = time.monotonic() + timeout if timeout else None
+
+        def render(it: tuple) -> bytes:
+            if it[0] == "BOOKMARK":
+                return dumps({"type": "BOOKMARK", "object": {"kind": t.kind, "apiVersion": t.api_version(version),
+                                                            "metadata": {"resourceVersion": it[1]}}})
+            return dumps({"type": it[0], "object": self.out(it[1], t, version)})
+
         try:
             await resp.prepare(request)
             last_bookmark = time.monotonic()
@@ -334,14 +446,13 @@ class KubeApp:
                 if item is None:
                     break  # dropped
                 if item is not ...:
-                    etype, obj = item
-                    chunk = [dumps({"type": etype, "object": self.out(obj, t, version)})]
+                    chunk = [render(item)]
                     while not w.queue.empty():
                         nxt = w.queue.get_nowait()
                         if nxt is None:
                             w.closed = True
                             break
-                        chunk.append(dumps({"type": nxt[0], "object": self.out(nxt[1], t, version)}))
+                        chunk.append(render(nxt))
                     await resp.write(b"\n".join(chunk) + b"\n")
                     if w.closed:
                         break
@@ -349,9 +460,9 @@ class KubeApp:
                     break
                 if bookmarks and time.monotonic() - last_bookmark >= self.bookmark_interval:
                     last_bookmark = time.monotonic()
-                    await resp.write(dumps({"type": "BOOKMARK", "object": {
-                        "kind": t.kind, "apiVersion": t.api_version(version),
-                        "metadata": {"resourceVersion": str(self.store.rv)}}}) + b"\n")
+                    # a bookmark promises every event up to its resourceVersion was sent: it is
+                    # queued behind the events already queued or scheduled for this watch
+                    self.store.bookmark(w)
         except (ConnectionResetError, asyncio.CancelledError):
             self.store.unwatch(w)
             raise

@@ -31,22 +31,25 @@ class ApiError(Exception):
         message: str,
         reason: str | None = None,
         details: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason or REASONS.get(code, "Unknown")
         self.details = details
+        self.metadata = metadata
 
     def status(self) -> dict[str, Any]:
-        return status_body(self.code, self.message, self.reason, self.details)
+        return status_body(self.code, self.message, self.reason, self.details, self.metadata)
 
 
-def status_body(code: int, message: str, reason: str | None = None, details: dict | None = None) -> dict:
+def status_body(code: int, message: str, reason: str | None = None, details: dict | None = None,
+                metadata: dict | None = None) -> dict:
     body: dict[str, Any] = {
         "kind": "Status",
         "apiVersion": "v1",
-        "metadata": {},
+        "metadata": dict(metadata or {}),
         "status": "Failure",
         "message": message,
         "reason": reason or REASONS.get(code, "Unknown"),
@@ -95,4 +98,18 @@ def invalid(kind: str, group: str, name: str, causes: list[tuple[str, str, str]]
             "kind": kind,
             "causes": [{"reason": r, "message": m, "field": f} for f, r, m in causes],
         },
+    )
+
+
+def precondition_failed(resource: str, group: str, ns: str, name: str, what: str, wanted: str, actual: str) -> ApiError:
+    """A failed uid / resourceVersion precondition: storage's InvalidObj error, answered as a 409 Conflict."""
+    qual = f"{resource}.{group}" if group else resource
+    key = "/registry/" + (f"{group}/" if group else "") + resource + (f"/{ns}" if ns else "") + f"/{name}"
+    return ApiError(
+        409,
+        f'Operation cannot be fulfilled on {qual} "{name}": StorageError: invalid object, Code: 4, Key: {key}, '
+        f"ResourceVersion: 0, AdditionalErrorMsg: Precondition failed: {what} in precondition: {wanted}, "
+        f"{what} in object meta: {actual}",
+        "Conflict",
+        {"name": name, "group": group, "kind": resource},
     )

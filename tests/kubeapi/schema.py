@@ -239,34 +239,9 @@ def _validate(v: Any, s: dict, path: str, errs: list, root: bool = False) -> Non
 
 # --------------------------------------------------------------------------- names
 
-DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
 
 def name_errors(name: str, label: bool = False) -> list[tuple[str, str, str]]:
-    if not name:
-        return [("metadata.name", "FieldValueRequired", "Required value: name or generateName is required")]
-    errs = []
-    if label:
-        if len(name) > 63:
-            errs.append(("metadata.name", "FieldValueInvalid", f"Invalid value: {_go_value(name)}: must be no more than 63 characters"))
-        if not DNS1123_LABEL.match(name):
-            errs.append((
-                "metadata.name",
-                "FieldValueInvalid",
-                f"Invalid value: {_go_value(name)}: a lowercase RFC 1123 label must consist of lower case alphanumeric "
-                "characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or "
-                "'123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')",
-            ))
-        return errs
-    if len(name) > 253:
-        errs.append(("metadata.name", "FieldValueInvalid", f"Invalid value: {_go_value(name)}: must be no more than 253 characters"))
-    if not DNS1123_SUBDOMAIN.match(name):
-        errs.append((
-            "metadata.name",
-            "FieldValueInvalid",
-            f"Invalid value: {_go_value(name)}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric "
-            "characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', "
-            r"regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')",
-        ))
-    return errs
+    """metadata.name as a DNS-1123 subdomain (or label); see validation.name_errors for every kind."""
+    from . import validation
+
+    return validation.name_errors("", "namespaces" if label else "configmaps", name)

@@ -19,14 +19,18 @@ import copy
 import datetime as dt
 import random
 import re
-import string
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import schema as schemas
-from .errors import ApiError, already_exists, conflict, invalid, not_found
+from . import validation
+from .errors import ApiError, already_exists, conflict, invalid, not_found, precondition_failed
+
+
+#: utilrand.String's alphabet (no vowels, no 0/1/3: generated names spell no words).
+_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 
 
 def now_iso() -> str:
@@ -126,6 +130,7 @@ def parse_label_selector(sel: str | None) -> Callable[[dict], bool] | None:
             raise ApiError(400, f"unable to parse requirement: {part!r}")
         neg, key, op, val = m.groups()
         op = (op or "").strip()
+        _check_requirement(key, op, val)
         if neg:
             reqs.append(lambda lb, k=key: k not in lb)
         elif not op:
@@ -141,6 +146,33 @@ def parse_label_selector(sel: str | None) -> Callable[[dict], bool] | None:
             else:
                 reqs.append(lambda lb, k=key, vs=vals: lb.get(k) not in vs)
     return lambda labels: all(r(labels) for r in reqs)
+
+
+def _check_requirement(key: str, op: str, val: str | None) -> None:
+    """labels.NewRequirement's checks: a qualified-name key and valid label values (400 otherwise)."""
+    errs = []
+    key_errs = validation.is_qualified_name(key)
+    if key_errs:
+        errs.append(f"key: Invalid value: {validation.go_value(key)}: {'; '.join(key_errs)}")
+    if op in ("in", "notin"):
+        vals = [x.strip() for x in (val or "").strip().strip("()").split(",")]
+        if not any(vals):
+            errs.append("values: Invalid value: []string{}: for 'in', 'notin' operators, values set can't be empty")
+    else:
+        vals = [val] if op else []
+    for i, v in enumerate(vals):
+        v_errs = validation.is_valid_label_value(v or "")
+        if v_errs:
+            errs.append(f"values[{i}][{key}]: Invalid value: {validation.go_value(v or '')}: {'; '.join(v_errs)}")
+    if errs:
+        joined = errs[0] if len(errs) == 1 else "[" + ", ".join(errs) + "]"
+        raise ApiError(400, f"unable to parse requirement: {joined}", "BadRequest")
+
+
+def object_key(obj: dict) -> str:
+    """Where etcd keeps an object, relative to its resource: lists are in this order."""
+    md = obj["metadata"]
+    return f"{md.get('namespace') or ''}/{md['name']}"
 
 
 def _lookup(obj: dict, dotted: str) -> Any:
@@ -186,6 +218,10 @@ class Watcher:
         self.fields = fields
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
+        #: puts scheduled on the loop and not run yet; while there are any, a put from the loop's
+        #: own thread queues behind them, so events reach the client in resourceVersion order
+        self._pending = 0
+        self._pending_lock = threading.Lock()
 
     def matches(self, obj: dict | None) -> bool:
         if obj is None:
@@ -200,14 +236,28 @@ class Watcher:
         return True
 
     def push(self, item: Any) -> None:
+        """Queue an item, in the order of the calls (the store calls it under its lock, in
+        resourceVersion order), whichever thread calls."""
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        with self._pending_lock:
+            if running is self.loop and not self._pending:
+                self.queue.put_nowait(item)
+                return
+            if self.loop.is_closed():
+                return
+            self._pending += 1
         if running is self.loop:
-            self.queue.put_nowait(item)
-        elif not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon(self._put, item)
+        else:
+            self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: Any) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+        self.queue.put_nowait(item)
 
     def close(self) -> None:
         """Drop the stream (fault injection / shutdown)."""
@@ -323,7 +373,8 @@ class Store:
             if ns is not None and t.namespaced:
                 sources: Iterable = [buckets.get(ns, {})]
             else:
-                sources = [buckets[k] for k in sorted(buckets)]
+                # etcd order: by "<namespace>/<name>" (so "a-b" sorts before "a")
+                sources = [buckets[k] for k in sorted(buckets, key=lambda n: n + "/")]
             out = []
             for b in sources:
                 for name in sorted(b):
@@ -334,6 +385,38 @@ class Store:
                         continue
                     out.append(o)
             return out, str(self.rv)
+
+    def snapshot(self, t: ResourceType, ns: str | None, rv: int, label_selector: str | None = None,
+                 field_selector: str | None = None) -> list[dict]:
+        """The objects as they were at resourceVersion `rv`, in list order: the current ones with
+        every later event undone (what etcd serves for a paginated list's later pages). 410 Expired
+        once `rv` is older than the kept history."""
+        lab = parse_label_selector(label_selector)
+        fld = parse_field_selector(field_selector)
+        with self.lock:
+            if rv < self.compacted_rv:
+                raise ApiError(410, f"too old resource version: {rv} ({self.compacted_rv + 1})", "Expired")
+            items, _ = self.list(t, ns)
+            state: dict[str, dict | None] = {object_key(o): o for o in items}
+            for erv, key, etype, obj, old in reversed(self.history):
+                if erv <= rv:
+                    break
+                if key != t.key:
+                    continue
+                if ns is not None and t.namespaced and obj["metadata"].get("namespace") != ns:
+                    continue
+                state[object_key(obj)] = None if etype == "ADDED" else old
+        out = []
+        for k in sorted(state):
+            o = state[k]
+            if o is None:
+                continue
+            if lab is not None and not lab(o["metadata"].get("labels") or {}):
+                continue
+            if fld is not None and not fld(o):
+                continue
+            out.append(o)
+        return out
 
     # ------------------------------------------------------------------ watch
 
@@ -366,6 +449,12 @@ class Store:
         finally:
             w.push = saved  # type: ignore[method-assign]
 
+    def bookmark(self, w: Watcher) -> None:
+        """Queue a BOOKMARK at the current resourceVersion behind every event already queued or
+        scheduled for `w`: its resourceVersion never runs ahead of what the client was sent."""
+        with self.lock:
+            w.push(("BOOKMARK", str(self.rv)))
+
     def unwatch(self, w: Watcher) -> None:
         with self.lock:
             self.watchers.get(w.key, set()).discard(w)
@@ -393,11 +482,40 @@ class Store:
             raise invalid(t.kind, t.group, obj["metadata"].get("name", ""), errs)
 
     def _check_names(self, t: ResourceType, obj: dict) -> None:
-        name = obj["metadata"].get("name", "")
-        label = t.plural in ("namespaces", "services")
-        errs = schemas.name_errors(name, label=label)
+        """Name (by the kind's rule), labels, annotations, ownerReferences, finalizers; Events' own rules."""
+        md = obj["metadata"]
+        name = md.get("name", "")
+        errs = validation.name_errors(t.group, t.plural, name, md.get("generateName"))
+        errs += validation.object_meta_errors(md)
+        errs += self._kind_errors(t, obj)
         if errs:
             raise invalid(t.kind, t.group, name, errs)
+
+    @staticmethod
+    def _kind_errors(t: ResourceType, obj: dict) -> list[tuple[str, str, str]]:
+        if t.plural == "events" and t.group in ("", "events.k8s.io"):
+            return validation.event_errors(t.group, obj)
+        return []
+
+    def _admit(self, t: ResourceType, obj: dict, old: dict | None) -> None:
+        """Validating admission webhooks of the kinds the executor stands in for."""
+        if t.key == ("kubeflow.org", "pytorchjobs"):
+            msgs = validation.pytorchjob_webhook_errors(obj)
+            if msgs:
+                text = msgs[0] if len(msgs) == 1 else "[" + ", ".join(msgs) + "]"
+                raise ApiError(403, f'admission webhook "{validation.PYTORCHJOB_WEBHOOK}" denied the request: {text}',
+                               "Forbidden")
+
+    def _namespace_terminating(self, t: ResourceType, ns: str, name: str) -> None:
+        """NamespaceLifecycle admission: nothing new in a namespace that is being deleted."""
+        nso = self.objects[("", "namespaces")].get("", {}).get(ns)
+        if nso is not None and nso["metadata"].get("deletionTimestamp"):
+            msg = f"unable to create new content in namespace {ns} because it is being terminated"
+            qual = f"{t.plural}.{t.group}" if t.group else t.plural
+            raise ApiError(403, f'{qual} "{name}" is forbidden: {msg}', "Forbidden", {
+                "name": name, "group": t.group, "kind": t.plural,
+                "causes": [{"reason": "NamespaceTerminating", "message": f"namespace {ns} is being terminated",
+                            "field": "metadata.namespace"}]})
 
     def create(self, t: ResourceType, ns: str, body: dict, version: str | None = None, dry_run: bool = False) -> dict:
         if not isinstance(body, dict):
@@ -425,14 +543,17 @@ class Store:
                 md.pop("namespace", None)
                 ns = ""
             if not md.get("name") and md.get("generateName"):
+                # names.SimpleNameGenerator: the base cut to 58 characters, 5 random ones appended
                 bucket = self._bucket(t, ns)
                 while True:
-                    cand = md["generateName"] + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+                    cand = str(md["generateName"])[:58] + "".join(random.choices(_NAME_ALPHABET, k=5))
                     if cand not in bucket:
                         md["name"] = cand
                         break
             self._check_names(t, obj)
             name = md["name"]
+            if t.namespaced:
+                self._namespace_terminating(t, ns, name)
             if t.custom:
                 if t.status_subresource:
                     obj.pop("status", None)
@@ -449,6 +570,7 @@ class Store:
                 obj["status"] = {"phase": "Active"}
             if t.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
                 self._crd_admit(obj)
+            self._admit(t, obj, None)
             if dry_run:
                 return obj
             md["resourceVersion"] = self._next_rv()
@@ -499,6 +621,9 @@ class Store:
             if md.get("name", name) != name:
                 raise ApiError(400, f'the name of the object ({md.get("name")}) does not match the name on the URL ({name})')
             rv = md.get("resourceVersion")
+            if check_rv and md.get("uid") and md["uid"] != old["metadata"]["uid"]:
+                # DefaultUpdatedObjectInfo makes the body's uid a precondition
+                raise precondition_failed(t.plural, t.group, ns, name, "UID", md["uid"], old["metadata"]["uid"])
             if check_rv and rv and rv != old["metadata"]["resourceVersion"]:
                 raise conflict(t.plural, name, t.group)
             if subresource == "status":
@@ -529,12 +654,17 @@ class Store:
                 else:
                     nmd.pop("namespace", None)
                 new["metadata"] = nmd
+                errs = validation.object_meta_errors(nmd) + self._kind_errors(t, new)
                 if omd.get("deletionTimestamp"):
-                    added = set(nmd.get("finalizers") or ()) - set(omd.get("finalizers") or ())
+                    added = validation.new_finalizer_error(nmd.get("finalizers") or [], omd.get("finalizers") or [])
                     if added:
-                        raise ApiError(422, f'{t.kind} "{name}" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted')
+                        errs.insert(0, added)
+                if errs:
+                    raise invalid(t.kind, t.group, name, errs)
             if t.custom:
                 self._prepare_custom(t, new, version)
+            if subresource is None:
+                self._admit(t, new, old)
             new["apiVersion"] = t.api_version()
             nmd = new["metadata"]
             nmd["resourceVersion"] = old["metadata"]["resourceVersion"]
@@ -548,7 +678,7 @@ class Store:
             if nmd.get("deletionTimestamp") and not nmd.get("finalizers"):
                 # the last finalizer is gone: the object goes away
                 self._bucket(t, ns)[name] = new
-                self._remove(t, ns, name, emit_rv=nmd["resourceVersion"])
+                self._remove(t, ns, name, emit_rv=nmd["resourceVersion"], prior=old)
                 return new
             self._bucket(t, ns)[name] = new
             if old["metadata"].get("ownerReferences") != nmd.get("ownerReferences"):
@@ -576,9 +706,10 @@ class Store:
             md = obj["metadata"]
             if preconditions:
                 if preconditions.get("uid") and preconditions["uid"] != md["uid"]:
-                    raise ApiError(409, f'Precondition failed: UID in precondition: {preconditions["uid"]}, UID in object meta: {md["uid"]}', "Conflict")
+                    raise precondition_failed(t.plural, t.group, ns, name, "UID", preconditions["uid"], md["uid"])
                 if preconditions.get("resourceVersion") and preconditions["resourceVersion"] != md["resourceVersion"]:
-                    raise conflict(t.plural, name, t.group)
+                    raise precondition_failed(t.plural, t.group, ns, name, "ResourceVersion",
+                                              preconditions["resourceVersion"], md["resourceVersion"])
             if dry_run:
                 return obj
             propagation = propagation or "Background"
@@ -622,7 +753,10 @@ class Store:
         except ApiError:
             pass
 
-    def _remove(self, t: ResourceType, ns: str, name: str, emit_rv: str | None = None) -> None:
+    def _remove(self, t: ResourceType, ns: str, name: str, emit_rv: str | None = None,
+                prior: dict | None = None) -> None:
+        """Drop the object: a DELETED event (carrying, as `old`, the object as it was before this
+        write, `prior` when the write that empties the finalizers is that event), then GC."""
         obj = self._bucket(t, ns).pop(name, None)
         if obj is None:
             return
@@ -630,7 +764,7 @@ class Store:
         gone = dict(obj)
         gone["metadata"] = dict(obj["metadata"])
         gone["metadata"]["resourceVersion"] = emit_rv or self._next_rv()
-        self._emit("DELETED", t, gone)
+        self._emit("DELETED", t, gone, prior or obj)
         uid = obj["metadata"]["uid"]
         # garbage collection: dependents whose owners are all gone are deleted (background)
         for dep_uid in list(self.dependents.pop(uid, ())):
