@@ -36,7 +36,7 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
 @pytest.fixture
 def trainer_env(tmp_path, monkeypatch):
     """No torchrun / MLflow variables from the caller, the termination message in tmp_path, and
-    tmp_path as the working directory (MLflow's sqlite store puts artifacts under ./mlruns). The
+    tmp_path as the working directory (a relative sqlite store, and its artifacts, land there). The
     trainer sets variables of its own (MASTER_PORT, ...), so the whole environment is restored after."""
     saved = dict(os.environ)
     for var in _LAUNCHER_VARS:

@@ -128,7 +128,7 @@ def test_mlflow_logging_and_a_restart_reuses_the_run(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
+    monkeypatch.chdir(tmp_path)  # nothing the run writes lands in the repository
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     os.environ["MLFLOW_TRACKING_URI"] = uri
     path = manifest(tmp_path, "tracked", steps=30, every=10, mlflow={"enabled": True, "experiment": "gem-test"})

@@ -68,3 +68,40 @@ def test_which_uris_are_file_stores():
     for uri in ("sqlite:///mlflow.db", "postgresql://db/mlflow", "http://mlflow:5000", "https://mlflow.example.com",
                 "databricks", "databricks://profile", "databricks-uc"):
         assert not is_file_store(uri), uri
+
+
+def test_experiments_keep_artifacts_beside_a_sqlite_store(tmp_path, monkeypatch):
+    """MLflow's default artifact root for a database store is ./mlruns of the process that creates the
+    experiment: the first job's pod sandbox locally, so deleting that job lost every later run's
+    checkpoints and registered model versions. New experiments now put them beside the database."""
+    from mlflow.tracking import MlflowClient
+
+    from gem.api import parse_object
+    from gem.train.tracking import Tracker, artifact_location_for
+
+    (tmp_path / "sandbox").mkdir()
+    monkeypatch.chdir(tmp_path / "sandbox")  # where the trainer runs
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
+    (tmp_path / "db").mkdir()
+    obj = parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "x"},
+                        "spec": {"mlflow": {"trackingUri": uri, "experiment": "beside"}}})
+    t = Tracker(obj, active=True)
+    t.start()
+    t.log_artifacts([_file(tmp_path / "sandbox" / "note.txt")], "notes")
+    t.end()
+    location = MlflowClient(uri).get_experiment(t.experiment_id).artifact_location
+    assert location == (tmp_path / "db" / "mlartifacts").as_uri()
+    assert list((tmp_path / "db" / "mlartifacts").rglob("note.txt"))
+    assert not (tmp_path / "sandbox" / "mlruns").exists()
+    # a second Tracker (another job) finds the experiment; other stores keep their own default
+    t2 = Tracker(obj, active=True)
+    t2.start()
+    t2.end()
+    assert t2.experiment_id == t.experiment_id
+    assert artifact_location_for("http://mlflow:5000") is None
+    assert artifact_location_for("sqlite:///rel/mlflow.db") == (tmp_path / "sandbox" / "rel" / "mlartifacts").as_uri()
+
+
+def _file(path):
+    path.write_text("x")
+    return path

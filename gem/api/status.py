@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
 
 from gem.api.types import Phase
@@ -139,3 +140,18 @@ def master_report(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
             if terminated:
                 return parse_report(terminated.get("message"))
     return None
+
+
+# The trainer's structured progress line (gem/train/trainer.py, docs/trainer.md), logged by the master
+# every 10 steps:  ... step step=120 total_steps=400 lr=... loss=...
+_PROGRESS = re.compile(r"\bstep step=(\d+) total_steps=(\d+)\b")
+
+
+def progress_from_log(text: str | None) -> dict[str, int] | None:
+    """The latest progress a running trainer logged (the tail of its master's log), as status.progress.
+    The operator reads it from the master pod's log, the local backend from the master's log file."""
+    matches = _PROGRESS.findall(text or "")
+    if not matches:
+        return None
+    step, total = (int(x) for x in matches[-1])
+    return {"step": step, "totalSteps": total, "percent": min(100, int(100 * step / total)) if total else 0}

@@ -92,6 +92,23 @@ def check_tracking_uri(spec: Any) -> None:
                     "(http://...); or set spec.mlflow.enabled: false")
 
 
+def artifact_location_for(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a sqlite store's database (`<dir>/mlartifacts`,
+    like `mlflow server`'s default), None (the store's own default) for every other store.
+
+    MLflow's default for a database store is `./mlruns` of the process that creates the experiment: a
+    trainer's working directory, which is the pod's sandbox locally (deleted with the job) and the
+    container's filesystem on a cluster. Every later run of the experiment would put its checkpoints and
+    registered model versions there, and lose them with that first job.
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    if not database or database == ":memory:":
+        return None
+    return (Path(database).resolve().parent / "mlartifacts").as_uri()
+
+
 def job_uid(manifest: Any) -> str:
     """The object's uid; local runs (no uid) get a stable stand-in from namespace and name."""
     meta = manifest.metadata
@@ -125,12 +142,25 @@ class Tracker:
         self.tracking_uri, _ = tracking_uri_of(spec)
         mlflow.set_tracking_uri(self.tracking_uri)
         self._client = MlflowClient(self.tracking_uri)
-        experiment = self._client.get_experiment_by_name(spec.experiment)
-        self.experiment_id = (experiment.experiment_id if experiment
-                              else self._client.create_experiment(spec.experiment))
+        self.experiment_id = self._experiment_id(spec.experiment)
         if resume_run_id and self._continue(resume_run_id):
             return
         self._create_run()
+
+    def _experiment_id(self, name: str) -> str:
+        """The experiment's id, created if missing (by another job at the same moment, too)."""
+        from mlflow.exceptions import MlflowException
+
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self._client.create_experiment(name, artifact_location=artifact_location_for(self.tracking_uri))
+        except MlflowException:  # created by a job that started at the same time
+            experiment = self._client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
 
     def _continue(self, run_id: str) -> bool:
         """Reopen the resumed checkpoint's run; False (a new run follows) if this store does not have it."""

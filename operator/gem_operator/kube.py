@@ -29,7 +29,7 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    # the master's recent log lines carry the trainer's progress (see reconcile.progress_from_log)
+    # the master's recent log lines carry the trainer's progress (see gem.api.status.progress_from_log)
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     # node labels size the topology levels and say where each rank landed (gem_operator/parallel.py)
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},

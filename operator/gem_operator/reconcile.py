@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from typing import Any
 
 import kopf
@@ -478,23 +477,9 @@ def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
         kube.patch_status(kind, ns, name, new, parent["metadata"].get("resourceVersion"))
 
 
-# The trainer's structured progress line (gem/train/trainer.py, docs/trainer.md):
-#   ... step step=120 total_steps=400 lr=... loss=...
-_PROGRESS = re.compile(r"\bstep step=(\d+) total_steps=(\d+)\b")
-
-
-def progress_from_log(text: str | None) -> dict[str, int] | None:
-    """The latest progress the trainer logged, as a status.progress dict."""
-    matches = _PROGRESS.findall(text or "")
-    if not matches:
-        return None
-    step, total = (int(x) for x in matches[-1])
-    return {"step": step, "totalSteps": total, "percent": min(100, int(100 * step / total)) if total else 0}
-
-
 def running_progress(namespace: str, status: dict[str, Any]) -> dict[str, int] | None:
     """The running trainer's progress from its master pod's log tail, if it moved."""
     if status.get("phase") != Phase.running.value or not status.get("pytorchJob"):
         return None
-    progress = progress_from_log(kube.pod_log_tail(namespace, f"{status['pytorchJob']}-master-0"))
+    progress = st.progress_from_log(kube.pod_log_tail(namespace, f"{status['pytorchJob']}-master-0"))
     return progress if progress and progress != status.get("progress") else None

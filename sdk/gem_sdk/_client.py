@@ -160,7 +160,8 @@ class GEMClient:
             namespace: Default: the object's, else the backend's.
             timeout: Seconds to wait at most. Default: forever.
             until: Phases that end the wait (names or `Phase` values), or a predicate on the
-                object, e.g. `lambda job: job.status.progress.percent >= 50`. Default: Succeeded,
+                object, e.g. `lambda job: bool(job.status.progress and job.status.progress.percent >= 50)`
+                (progress is unset until the trainer logs its first step). Default: Succeeded,
                 Failed, Invalid. A terminal phase always ends it.
             callback: Called with the object each time a new version of it is seen (the first
                 one included), e.g. to show progress.

@@ -58,6 +58,16 @@ LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
 ANNOTATION_PID = "gem.dev/local-pid"
 
 
+def _tail(path: Path, size: int = 16384) -> str:
+    """The last `size` bytes of a log file ("" when there is none yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 class _Stop(Exception):
     pass
 
@@ -162,7 +172,8 @@ class Supervisor:
     # ------------------------------------------------------------------ resource status
 
     def _progress_while_running(self) -> dict[str, Any]:
-        """Progress from the master's termination-message file, if the trainer updates it live."""
+        """Progress of the running master: its termination report if it wrote one, else the progress
+        line the trainer logs every 10 steps (read from the log's tail, as the operator reads the pod's)."""
         for info in self.run.replicas.values():
             if info.replica_type == "Master" and info.pod.state.phase == "Running":
                 try:
@@ -171,6 +182,8 @@ class Supervisor:
                     report = None
                 if report:
                     return {k: v for k, v in st.apply_report({}, report).items() if k == "progress"}
+                progress = st.progress_from_log(_tail(info.pod.log_path))
+                return {"progress": progress} if progress else {}
         return {}
 
     @staticmethod
