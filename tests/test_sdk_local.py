@@ -45,6 +45,9 @@ print("mlflow", os.environ.get("MLFLOW_TRACKING_URI"), flush=True)
 print("config", open(os.path.join("volumes", "config", "config.yaml")).read().count("kind:"), flush=True)
 if mode == "sleep":
     time.sleep(120)
+if mode == "progress":  # the line gem train logs every 10 steps, then a long step
+    print("INFO rank=0 gem.train: step step=30 total_steps=120 lr=0.001 examples_per_s=900 loss=0.6", flush=True)
+    time.sleep(120)
 if mode == "flaky" and not os.path.exists(os.path.join(ckpt, "tried")):
     open(os.path.join(ckpt, "tried"), "w").close()
     print("first attempt fails", flush=True)
@@ -434,6 +437,57 @@ def test_distillation_teacher_is_resolved_locally(client, root):
     assert client.wait(job, timeout=60).status.phase == "Succeeded"
 
 
+# Specs pydantic accepts but the operator refuses (Valid=False, gem.api.validation): one field each.
+NOT_RUNNABLE = {
+    "name": (training("1abc", nodes=1), "metadata.name"),
+    "node-selector": (training("ns", nodes=1, resources={"nodeSelector": {"/0": "x"}}),
+                      "spec.resources.nodeSelector['/0']"),
+    "checkpoint-path": (training("ck", nodes=1, checkpoint={"path": "relative/dir"}), "spec.checkpoint.path"),
+    "reserved-mount": (training("rm", nodes=1, checkpoint={"path": "/dev/shm/ckpt"}), "spec.checkpoint.path"),
+    "procs-gpus": (training("pg", resources={"gpusPerNode": 1}, parallelism={"numNodes": 1, "procsPerNode": 2}),
+                   "spec.parallelism.procsPerNode"),
+    "queue": (training("qn", nodes=1, scheduling={"queueName": "team queue"}), "spec.scheduling.queueName"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_RUNNABLE))
+def test_a_spec_the_operator_refuses_is_refused_at_submit(client, root, case):
+    """The same verdict as on a cluster, in the operator's words: before, the local backend ran
+    such a spec (and, with the stand-in trainer, reported Succeeded)."""
+    from gem.api.types import parse_object
+    from gem_operator.validation import runnable_problems
+
+    body, path = NOT_RUNNABLE[case]
+    operator_says = runnable_problems(parse_object({"apiVersion": "gem.dev/v1alpha1", **body}))
+    assert [p.split(": ", 1)[0] for p in operator_says] == [path]
+    with pytest.raises(ValidationError) as info:
+        fake(client).submit(body)
+    err = info.value
+    assert [str(e) for e in err.errors] == operator_says and err.errors[0].path == path
+    assert str(err).startswith(f"invalid GEMTraining default/{body['metadata']['name']}:")
+    assert client.list(all_namespaces=True) == [] and not (root / "default").exists()
+
+
+def test_gemctl_refuses_a_spec_the_operator_refuses_with_exit_2(root, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    body = training("ok", nodes=1, checkpoint={"path": "relative/dir"},
+                    resources={"nodeSelector": {"/0": "x"}})
+    spec.write_text(yaml.safe_dump(body))
+    out = _gemctl("submit", "-f", str(spec), "--local", root=root)
+    assert out.returncode == 2, out.stderr
+    assert "spec.resources.nodeSelector['/0']: '/0' is not a valid label key" in out.stderr
+    assert "spec.checkpoint.path: 'relative/dir' must be an absolute path without ':'" in out.stderr
+
+
+def test_the_examples_pass_the_operators_checks_and_run_locally(client):
+    """examples/*.yaml still submit (and run, with the stand-in trainer): the distillation after
+    its teacher, the quickstart."""
+    teacher = fake(client).submit(str(REPO / "examples" / "quickstart.yaml"))
+    assert client.wait(teacher, timeout=60).status.phase == "Succeeded"
+    student = fake(client).submit(str(REPO / "examples" / "loopfm-distill.yaml"))
+    assert client.wait(student, timeout=60).status.phase == "Succeeded"
+
+
 # --------------------------------------------------------------------------- the real trainer
 
 
@@ -487,3 +541,18 @@ def test_real_trainer_end_to_end(client, root, tmp_path):
     out = _gemctl("list", "gt", "--local", root=root)
     assert out.returncode == 0, out.stderr
     assert "tiny" in out.stdout and "Succeeded" in out.stdout and "nodata" in out.stdout and "Failed" in out.stdout
+
+
+def test_a_running_job_shows_the_progress_its_trainer_logs(client):
+    """The trainer writes its termination report only at the end; while it runs, the local backend
+    reads the progress line from the master's log, as the operator reads the master pod's log (before,
+    PROGRESS stayed empty until the job ended)."""
+    job = fake(client, "progress").submit(training("prog", nodes=1))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        progress = client.get(job.metadata.name).status.progress
+        if progress is not None:
+            break
+        time.sleep(0.2)
+    assert progress is not None and (progress.step, progress.total_steps, progress.percent) == (30, 120, 25)
+    assert client.get(job.metadata.name).status.phase == "Running"

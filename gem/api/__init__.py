@@ -13,3 +13,4 @@ from gem.api.types import (  # noqa: F401
     Phase,
     parse_object,
 )
+from gem.api.validation import runnable_field_problems, runnable_problems  # noqa: F401

@@ -23,9 +23,11 @@ from typing import Any
 
 from gem.api.render import TeacherMount, job_name, render_config_map, render_pytorchjob
 from gem.api.types import KINDS, TERMINAL_PHASES, LoopFMDistill, Phase
+from gem.api.validation import runnable_field_problems
 from gem_sdk._exceptions import (
     AlreadyExistsError,
     BackendError,
+    FieldError,
     NotFoundError,
     ValidationError,
     WaitTimeoutError,
@@ -231,6 +233,12 @@ class LocalBackend(Backend):
         name, kind = model.metadata.name, model.kind
         model.metadata.namespace = ns
         ref = {"kind": kind, "namespace": ns, "name": name}
+        # What the operator refuses with Valid=False (gem.api.validation), refused here before
+        # anything runs, in the operator's words: the spec is meant to run on a cluster later.
+        problems = runnable_field_problems(model)
+        if problems:
+            raise ValidationError(f"invalid {describe(kind, ns, name)}",
+                                  errors=[FieldError(path, problem) for path, problem in problems], **ref)
         teacher = self._resolve_teacher(model, ns)
         d = self._dir(kind, ns, name)
         d.parent.mkdir(parents=True, exist_ok=True)
