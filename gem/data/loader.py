@@ -18,12 +18,35 @@ collectively inside forward).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from gem.data.batch import Batch, make_batch
 from gem.data.synthetic import Examples
+
+
+def locate(position: int, anchor: tuple[int, int, int] | None, *, per_epoch: int,
+           left_from: Callable[[int], int], what: str) -> tuple[int, int, int]:
+    """(epoch, offset, i): unit `position` (a batch, or an example) of a rank's stream is unit i of
+    its share of the epoch's permutation from example `offset` on.
+
+    `anchor` (position0, epoch0, offset0): a resume from a world-size independent state; position0
+    is the first unit of epoch0's remainder from example offset0 on, which holds `left_from(offset0)`
+    units; later epochs start from 0 with `per_epoch` units each. None: `position` alone decides.
+    """
+    first_epoch = 0
+    if anchor is not None:
+        position0, epoch0, offset0 = anchor
+        d = position - position0
+        if d < 0:
+            raise ValueError(f"{what} {position} is before the resumed {what} {position0}")
+        n0 = left_from(offset0)
+        if d < n0:
+            return epoch0, offset0, d
+        position, first_epoch = d - n0, epoch0 + 1
+    epoch, i = divmod(position, per_epoch)
+    return first_epoch + epoch, 0, i
 
 
 class ShardedLoader:
@@ -66,18 +89,8 @@ class ShardedLoader:
 
     def _locate(self, position: int) -> tuple[int, int, int]:
         """(epoch, offset, j): batch `position` is batch j of the epoch's remainder from example offset on."""
-        first_epoch = 0
-        if self._anchor is not None:
-            position0, epoch0, offset0 = self._anchor
-            d = position - position0
-            if d < 0:
-                raise ValueError(f"position {position} is before the resumed position {position0}")
-            n0 = self._batches_from(offset0)
-            if d < n0:
-                return epoch0, offset0, d
-            position, first_epoch = d - n0, epoch0 + 1
-        epoch, j = divmod(position, self.batches_per_epoch)
-        return first_epoch + epoch, 0, j
+        return locate(position, self._anchor, per_epoch=self.batches_per_epoch, left_from=self._batches_from,
+                      what="position")
 
     def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
         """This rank's share of the epoch's permutation from example `offset` on."""

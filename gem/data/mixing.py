@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gem.data.batch import Batch, make_batch
+from gem.data.loader import locate
 from gem.data.synthetic import Examples
 
 
@@ -76,18 +77,8 @@ class _Stream:
 
     def locate(self, cursor: int) -> tuple[int, int, int]:
         """(epoch, offset, i): example `cursor` is example i of this rank's share of the epoch from offset on."""
-        first_epoch = 0
-        if self.anchor is not None:
-            cursor0, epoch0, offset0 = self.anchor
-            d = cursor - cursor0
-            if d < 0:
-                raise ValueError(f"cursor {cursor} of mixing source {self.k} is before the resumed one {cursor0}")
-            n0 = self._len_from(offset0)
-            if d < n0:
-                return epoch0, offset0, d
-            cursor, first_epoch = d - n0, epoch0 + 1
-        epoch, i = divmod(cursor, self.shard_len)
-        return first_epoch + epoch, 0, i
+        return locate(cursor, self.anchor, per_epoch=self.shard_len, left_from=self._len_from,
+                      what=f"cursor of mixing source {self.k}")
 
     def consumed(self, cursor: int) -> dict[str, int]:
         """The world-size independent position at `cursor`: the epoch, and examples of it all ranks took."""
