@@ -217,3 +217,26 @@ def test_dlrm_baseline_trains_a_step(batch):
     loss.backward()
     assert set(parts) == {"dwell", "click", "conversion"} and torch.isfinite(loss)
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("embeddings.tables"))
+
+
+def test_an_empty_candidate_bag_matches_nothing_instead_of_a_neighbours_id(batch):
+    """An example whose candidate-ad bag is empty has no id to match its events against; the
+    flags once read the next example's first id (offsets[b] points there), leaking it."""
+    from gem.modules.inputs import GemInputs
+
+    model = _model().eval()
+    ids, _ = batch.sparse["ad"]
+    b = 1
+    clicks = batch.sequences["click"]
+    lo, hi = int(clicks.offsets[b]), int(clicks.offsets[b + 1])
+    items = clicks.ids["item"].clone()
+    items[lo:hi] = ids[b + 1]  # example b clicked the next example's candidate ad
+    seqs = dict(batch.sequences, click=dataclasses.replace(clicks, ids=dict(clicks.ids, item=items)))
+    sparse = dict(batch.sparse)
+    bag_off = torch.arange(batch.size + 1) - (torch.arange(batch.size + 1) > b).long()  # bag b empty
+    sparse["ad"] = (torch.cat([ids[:b], ids[b + 1:]]), bag_off)
+    inputs = GemInputs(batch.request_time, batch.surface, sparse, batch.dense, seqs)
+    together, alone = model(inputs), model(_select(inputs, b))
+    assert hi > lo
+    for t in together:
+        torch.testing.assert_close(together[t][b:b + 1], alone[t], atol=1e-5, rtol=1e-4)

@@ -22,7 +22,9 @@ from gem.ops import segment_sum
 
 
 def hash_ids(ids: torch.Tensor, buckets: int, salt: int) -> torch.Tensor:
-    """Multiplicative hashing of non-negative ids into [0, buckets) (Knuth's constant)."""
+    """Multiplicative hashing of ids into [0, buckets) (Knuth's constant). Any int64 is valid
+    (docs/data.md: negative and 64-bit hashed ids included): the product wraps modulo 2^64 and
+    `%` (torch.remainder) takes the divisor's sign, so every row is in range."""
     return ((ids + salt) * 2654435761) % buckets
 
 

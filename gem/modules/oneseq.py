@@ -152,7 +152,10 @@ class OneSeqEncoder(JaggedModule):
             if ids.numel() == 0:
                 continue
             cand = ids[offsets[:-1].clamp(max=ids.numel() - 1)]  # [B]
-            bucket = bucket + (merged.ids[table] == cand[seg]).long() * (1 << i)
+            # An empty bag has no candidate id: its index points at a neighbour's first id, which
+            # would leak that example's candidate into this one's flags. No id: no match.
+            has_id = offsets.diff() > 0  # [B]
+            bucket = bucket + ((merged.ids[table] == cand[seg]) & has_id[seg]).long() * (1 << i)
         return bucket
 
     def _project_by_type(self, raw: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
