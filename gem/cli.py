@@ -171,35 +171,20 @@ def _load_checkpoint_model(checkpoint_dir: str, *, with_manifest: bool = False) 
     return (model, saved) if with_manifest else model
 
 
-def _eval_device() -> Any:
-    """Where the trainer evaluates (gem.train.dist.init_distributed): this process's GPU, else the CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _on_every_rank(distributed: bool, fn: Any) -> Any:
+def _on_every_rank(fn: Any) -> Any:
     """fn(), and on a failure of any rank the same failure on every rank (none left waiting in a collective)."""
-    from gem.train.dist import all_gather_objects
+    from gem.train.dist import failures_by_rank
 
     error: BaseException | None = None
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - gathered, then raised again below
         error, result = e, None
-    if not distributed:
-        if error is not None:
-            raise error
-        return result
-    verdicts = all_gather_objects(None if error is None else (isinstance(error, ConfigError), str(error)))
+    verdicts = failures_by_rank(None if error is None else (isinstance(error, ConfigError), str(error)))
     if error is not None:
         raise error
-    for rank, verdict in enumerate(verdicts):
-        if verdict is not None:
-            is_config, message = verdict
-            raise (ConfigError if is_config else RuntimeError)(f"rank {rank}: {message}")
+    for rank, (is_config, message) in verdicts.items():
+        raise (ConfigError if is_config else RuntimeError)(f"rank {rank}: {message}")
     return result
 
 
@@ -216,16 +201,17 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
         finite_or_none,
         predictions_by_source,
     )
-    from gem.train.dist import all_gather_objects, barrier, broadcast_object, init_distributed, shutdown
+    from gem.train.dist import all_gather_objects, barrier, broadcast_object, init_distributed, local_device, shutdown
 
+    # a world of one needs no process group: the collectives below are then plain calls
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    env = init_distributed() if distributed else None  # a world of one needs no process group
+    env = init_distributed() if distributed else None
     try:
         rank, world_size = (env.rank, env.world_size) if env else (0, 1)
-        device = env.device if env else _eval_device()
+        device = env.device if env else local_device(int(os.environ.get("LOCAL_RANK", "0")))
 
         # rank 0 picks the newest checkpoint (another may complete while the ranks look): all load that one
-        ckpt = broadcast_object(_on_every_rank(distributed, lambda: checkpoint_dir or (
+        ckpt = broadcast_object(_on_every_rank(lambda: checkpoint_dir or (
             _latest_checkpoint(manifest) if rank == 0 else None)))
 
         def setup() -> tuple[Any, Any, Any]:
@@ -234,7 +220,7 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
                 data = load_data(manifest.spec.data, max_history=model.max_seq_len)
             return model, saved, data
 
-        model, saved, data = _on_every_rank(distributed, setup)
+        model, saved, data = _on_every_rank(setup)
         # the precision the checkpoint trained (and was evaluated) in: its gem.yaml's, not the --config's
         precision = getattr(getattr(saved.spec, "training", None), "precision", "fp32")
         model = as_trained(model, precision).to(device).eval()
@@ -245,7 +231,7 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
 
         per_source = predictions_by_source(predict, data.eval_sources, max_seq_len=model.max_seq_len, rank=rank,
                                            world_size=world_size, device=device,
-                                           gather=all_gather_objects if distributed else None)
+                                           gather=all_gather_objects)
         if rank == 0:
             metrics = finite_or_none(evaluate_sources(per_source, data.evaluated).metrics)
             print(json.dumps({"checkpoint": ckpt, "ne": metrics["ne"], "metrics": metrics}), flush=True)

@@ -51,7 +51,7 @@ import torch
 import yaml
 
 from gem.data.errors import SpecError
-from gem.train.dist import DistEnv, barrier, broadcast_object, all_gather_objects
+from gem.train.dist import DistEnv, all_gather_objects, barrier, broadcast_object, failures_by_rank
 
 log = logging.getLogger("gem.train")
 
@@ -101,7 +101,7 @@ def check_writable(env: DistEnv, job: Path, spec_path: str) -> None:
             problem = e.strerror or str(e)
             if e.filename and Path(e.filename) != job:
                 problem += f": {e.filename}"
-    problems = [p for p in all_gather_objects(problem) if p]
+    problems = list(failures_by_rank(problem).values())
     if not problems:
         return
     env_dir = os.environ.get(ENV_CHECKPOINT_DIR)
@@ -247,7 +247,7 @@ class _RankFailure:
 
     def verdict(self) -> list[str]:
         """Every failed rank's `rank N: what: error`, the same list on every rank. Collective."""
-        return [f"rank {r}: {err}" for r, err in enumerate(all_gather_objects(self.error)) if err]
+        return [f"rank {r}: {err}" for r, err in failures_by_rank(self.error).items()]
 
 
 class _ErrorRecordingEngine:
@@ -474,7 +474,7 @@ def unreadable(env: DistEnv, ckpt: Path) -> str | None:
     """
     files = sorted(p for p in ckpt.rglob("*.pt") if p != ckpt / MODEL_FILE)
     problem = next(filter(None, map(_torch_file_problem, files[env.rank::env.world_size])), None)
-    return next(filter(None, all_gather_objects(problem)), None)
+    return next(iter(failures_by_rank(problem).values()), None)
 
 
 def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:

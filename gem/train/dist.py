@@ -58,6 +58,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device(local_rank: int) -> torch.device:
+    """This process's device: the GPU of its local rank, else the CPU."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init_distributed() -> DistEnv:
     """Join the process group torchrun describes, or make a world of one."""
     if "RANK" not in os.environ:  # plain `gem train`: a single process
@@ -67,11 +72,12 @@ def init_distributed() -> DistEnv:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
+    device = local_device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        backend = "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        backend = "gloo"
         # Processes on one node share its cores; oversubscription makes CPU training crawl.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // local_world_size))
@@ -107,6 +113,13 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(out, obj)
     return out
+
+
+def failures_by_rank(failure: Any) -> dict[int, Any]:
+    """Every rank's `failure` (an error message, a verdict; None or empty when it did not fail), by
+    rank: the same dict on every rank, empty when none failed. Collective. Ranks that meet here before
+    raising fail together, so none is left waiting in a collective the failed one never enters."""
+    return {rank: f for rank, f in enumerate(all_gather_objects(failure)) if f}
 
 
 def shutdown() -> None:

@@ -42,7 +42,7 @@ from gem.eval.evaluate import (
 )
 from gem.parallel.plan import PlanError
 from gem.train import checkpoint
-from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, setup_parallel
+from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, failures_by_rank, setup_parallel
 from gem.train.optim import ShardOptimizer, build_optimizer
 from gem.train.precision import apply_precision
 from gem.train.task import Task
@@ -135,7 +135,7 @@ class Trainer:
             # a file one rank cannot read must be found before DeepSpeed's collective load (checkpoint.unreadable)
             problem = checkpoint.unreadable(self.env, ckpt)
             state, error = (None, problem) if problem else self._try_load(ckpt)
-            errors = [e for e in all_gather_objects(error) if e]  # every rank must resume from the same one
+            errors = list(failures_by_rank(error).values())  # every rank must resume from the same one
             if not errors:
                 self.resumed_from = ckpt
                 if self.env.is_main:
