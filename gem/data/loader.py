@@ -19,6 +19,7 @@ collectively inside forward).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -26,27 +27,28 @@ from gem.data.batch import Batch, make_batch
 from gem.data.synthetic import Examples
 
 
-def locate(position: int, anchor: tuple[int, int, int] | None, *, per_epoch: int,
-           left_from: Callable[[int], int], what: str) -> tuple[int, int, int]:
-    """(epoch, offset, i): unit `position` (a batch, or an example) of a rank's stream is unit i of
-    its share of the epoch's permutation from example `offset` on.
+def locate(position: int, anchor: tuple[int, int, Any] | None, *, per_epoch: int,
+           left_from: Callable[[int, Any], int], what: str, fresh: Any = 0) -> tuple[int, Any, int]:
+    """(epoch, start, i): unit `position` (a batch, or an example) of a rank's stream is unit i of
+    its share of what is left of the epoch's rows after `start` (an example offset; the Parquet
+    loader's layouts); `fresh` is the start of an epoch begun from its first row.
 
-    `anchor` (position0, epoch0, offset0): a resume from a world-size independent state; position0
-    is the first unit of epoch0's remainder from example offset0 on, which holds `left_from(offset0)`
-    units; later epochs start from 0 with `per_epoch` units each. None: `position` alone decides.
+    `anchor` (position0, epoch0, start0): a resume from a world-size independent state; position0
+    is the first unit of epoch0's rows left after start0, which hold `left_from(epoch0, start0)`
+    units; later epochs begin fresh with `per_epoch` units each. None: `position` alone decides.
     """
     first_epoch = 0
     if anchor is not None:
-        position0, epoch0, offset0 = anchor
+        position0, epoch0, start0 = anchor
         d = position - position0
         if d < 0:
             raise ValueError(f"{what} {position} is before the resumed {what} {position0}")
-        n0 = left_from(offset0)
+        n0 = left_from(epoch0, start0)
         if d < n0:
-            return epoch0, offset0, d
+            return epoch0, start0, d
         position, first_epoch = d - n0, epoch0 + 1
     epoch, i = divmod(position, per_epoch)
-    return first_epoch + epoch, 0, i
+    return first_epoch + epoch, fresh, i
 
 
 class ShardedLoader:
@@ -89,8 +91,8 @@ class ShardedLoader:
 
     def _locate(self, position: int) -> tuple[int, int, int]:
         """(epoch, offset, j): batch `position` is batch j of the epoch's remainder from example offset on."""
-        return locate(position, self._anchor, per_epoch=self.batches_per_epoch, left_from=self._batches_from,
-                      what="position")
+        return locate(position, self._anchor, per_epoch=self.batches_per_epoch,
+                      left_from=lambda _epoch, offset: self._batches_from(offset), what="position")
 
     def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
         """This rank's share of the epoch's permutation from example `offset` on."""

@@ -77,8 +77,8 @@ class _Stream:
 
     def locate(self, cursor: int) -> tuple[int, int, int]:
         """(epoch, offset, i): example `cursor` is example i of this rank's share of the epoch from offset on."""
-        return locate(cursor, self.anchor, per_epoch=self.shard_len, left_from=self._len_from,
-                      what=f"cursor of mixing source {self.k}")
+        return locate(cursor, self.anchor, per_epoch=self.shard_len,
+                      left_from=lambda _epoch, offset: self._len_from(offset), what=f"cursor of mixing source {self.k}")
 
     def consumed(self, cursor: int) -> dict[str, int]:
         """The world-size independent position at `cursor`: the epoch, and examples of it all ranks took."""

@@ -56,6 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem.data.batch import Batch, make_batch
+from gem.data.loader import locate
 from gem.data.synthetic import Examples
 
 # 1: ids, surface, dense, click/conversion (+ p_*), seq_ad_id/campaign_id/type/timestamp.
@@ -473,18 +474,8 @@ class ParquetLoader:
 
     def _locate(self, position: int) -> tuple[int, tuple[Layout, ...], int]:
         """(epoch, layouts, j): batch `position` is batch j of the rows of epoch left after `layouts`."""
-        first_epoch = 0
-        if self._anchor is not None:
-            position0, epoch0, layouts = self._anchor
-            d = position - position0
-            if d < 0:
-                raise ValueError(f"position {position} is before the resumed position {position0}")
-            n0 = self._batches_in(epoch0, layouts)
-            if d < n0:
-                return epoch0, layouts, d
-            position, first_epoch = d - n0, epoch0 + 1
-        epoch, j = divmod(position, self.batches_per_epoch)
-        return first_epoch + epoch, (), j
+        return locate(position, self._anchor, per_epoch=self.batches_per_epoch, left_from=self._batches_in,
+                      what="position", fresh=())
 
     def _batches_in(self, epoch: int, layouts: tuple[Layout, ...]) -> int:
         """Batches per rank of this world size's layout of the rows of epoch left after `layouts`."""
