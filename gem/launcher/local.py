@@ -394,6 +394,15 @@ class LocalPod:
         except OSError:
             return ""
 
+    def log_tail(self, size: int = 16384) -> str:
+        """The last `size` bytes of the log ("" when there is none yet): what a poll loop reads."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
 
 def backoff_exhausted(backoff_limit: int | str | None, restart_policy: str, restarts: int, failing: int = 1) -> bool:
     """Whether restarting `failing` failed replicas of `restart_policy` would take the job past

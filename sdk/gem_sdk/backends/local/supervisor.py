@@ -58,16 +58,6 @@ LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
 ANNOTATION_PID = "gem.dev/local-pid"
 
 
-def _tail(path: Path, size: int = 16384) -> str:
-    """The last `size` bytes of a log file ("" when there is none yet)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
 class _Stop(Exception):
     pass
 
@@ -182,7 +172,7 @@ class Supervisor:
                     report = None
                 if report:
                     return {k: v for k, v in st.apply_report({}, report).items() if k == "progress"}
-                progress = st.progress_from_log(_tail(info.pod.log_path))
+                progress = st.progress_from_log(info.pod.log_tail())
                 return {"progress": progress} if progress else {}
         return {}
 
