@@ -258,6 +258,27 @@ def _foundation_model(checkpoint_dir: str) -> Any:
     return _load_checkpoint_model(checkpoint_dir)
 
 
+def _port(text: str) -> int:
+    """--port: checked when the flags are parsed (exit 2), not after minutes of loading the model."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: pass 0-65535 (0: any free port)")
+    return port
+
+
+def _ttl_seconds(text: str) -> float:
+    try:
+        ttl = float(text)
+    except ValueError:
+        ttl = float("nan")
+    if not ttl > 0:  # NaN would keep every value fresh forever, <= 0 would serve no exact pair ever
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds, e.g. 21600 (6h)")
+    return ttl
+
+
 def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
     import asyncio
 
@@ -270,7 +291,11 @@ def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
     service = build_service(model, manifest, ttl_s=args.ttl, version=model_version_of(args.checkpoint))
 
     async def serve() -> None:
-        runner, port = await service.start(args.host, args.port)
+        try:
+            runner, port = await service.start(args.host, args.port)
+        except OSError as e:  # port taken, host not an address of this machine
+            raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
+                              "pass a free --port (0: any) and a --host of this machine (0.0.0.0: all)") from e
         log.info("solaris: serving on http://%s:%d (version %s)", args.host, port, service.store.version)
         try:
             await asyncio.Event().wait()
@@ -297,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve-precompute", help="Solaris: speculative FM precompute + hierarchical lookup over HTTP")
     p.add_argument("--config", required=True, help="manifest whose spec.data names the synthetic world")
     p.add_argument("--checkpoint", required=True, help="the foundation model's checkpoint directory")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080, help="TCP port, 0-65535 (0: any free port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--ttl", type=float, default=6 * 3600.0, help="seconds a precomputed value stays fresh")
+    p.add_argument("--ttl", type=_ttl_seconds, default=6 * 3600.0,
+                   help="seconds a precomputed value stays fresh (> 0; default 21600)")
     args = parser.parse_args(argv)
     _setup_logging()
     if args.command == "serve-precompute":

@@ -3,6 +3,7 @@
 import asyncio
 
 import aiohttp
+import pytest
 import yaml
 
 from gem import cli
@@ -118,3 +119,88 @@ def test_serve_precompute_refuses_a_student_checkpoint(tmp_path, capsys):
     assert "GEMTraining's checkpoint" in err
     assert cli.main(["serve-precompute", "--config", config, "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_a_failed_start_stops_the_background_precompute():
+    """A taken port used to leave the runner set up and its precompute task running for good."""
+    import socket
+
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+
+    async def scenario():
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            with pytest.raises(OSError):
+                await service.start("127.0.0.1", busy.getsockname()[1])
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert others == []  # no precompute task left behind
+
+    asyncio.run(scenario())
+
+
+def test_compute_stores_under_the_version_live_when_scoring_began():
+    """A model swapped in while a round scores must not get the old model's values under its version."""
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    pairs = service.pending_pairs(now[0])[:5]
+    score = service.scorer.score
+
+    def score_then_swap(*args, **kw):
+        out = score(*args, **kw)
+        service.store.set_version("test-v2")  # the new model goes live while the old one's values are in flight
+        return out
+
+    service.scorer.score = score_then_swap
+    assert service.compute(pairs, now[0]) == 0
+    assert service.store.stats()["pairs"] == 0 and service.store.get(*pairs[0], now=now[0]) is None
+
+
+def test_the_cli_clock_does_not_go_back_with_the_wall_clock(monkeypatch):
+    """The store expects its now to move forward; an NTP step back of time.time() moved it back."""
+    import time
+
+    manifest = parse_object(MANIFEST)
+    service = build_service(build_model(manifest.spec.model), manifest, num_segments=4, warmup=False)
+    end = float(service.context.request_time.max())
+    first = service.clock()
+    assert first >= end  # the service starts at the end of the world's history
+    wall = time.time()
+    monkeypatch.setattr(time, "time", lambda: wall - 3600.0)  # the wall clock steps back an hour
+    assert service.clock() >= first
+
+
+def test_serve_precompute_refuses_a_bad_port_or_ttl_before_loading(tmp_path, capsys):
+    config = _write(tmp_path / "fm.yaml", MANIFEST)
+    never_read = str(tmp_path / "never-read")  # checked at parse time: the checkpoint is never opened
+    for flag, value in (("--port", "70000"), ("--port", "-1"), ("--port", "http"), ("--ttl", "0"), ("--ttl", "nan"),
+                        ("--ttl", "-60")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["serve-precompute", "--config", config, "--checkpoint", never_read, flag, value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {value!r}" in err, err
+        assert ("0-65535" if flag == "--port" else "positive number of seconds") in err
+
+
+def test_serve_precompute_on_a_taken_port_is_a_config_error(tmp_path, capsys):
+    import socket
+
+    import torch
+
+    ckpt = tmp_path / "fm" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    _write(ckpt / "gem.yaml", MANIFEST)
+    torch.save(build_model(parse_object(MANIFEST).spec.model).state_dict(), ckpt / "model.pt")
+    config = _write(tmp_path / "fm.yaml", MANIFEST)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve-precompute", "--config", config, "--checkpoint", str(ckpt),
+                         "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "pass a free --port" in err

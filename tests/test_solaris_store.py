@@ -164,3 +164,29 @@ def test_a_user_without_a_segment_skips_the_segment_tier():
     s.put(100, 3, 0, None, [1.0, 0.0], now=2, user_embedding=np.array([1.0, 0.0]))  # puts without a segment
     assert s.stats()["segment_ad"] == 1
     assert look.lookup(100, 25, now=3).tier == "neighbors"  # with an embedding: its neighbours answer
+
+
+def test_a_value_of_the_wrong_shape_is_refused_before_it_lands():
+    """A bad put raised half-way (the pair held, the aggregates not), and every later sweep failed on it."""
+    s = PrecomputeStore(ttl_s=10, version="v")
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        s.put(1, 1, 0, 0, [1.0, 2.0, 3.0], now=0)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        s.put(2, 2, 0, 0, [1.0], now=0)  # would broadcast into both components of every mean
+    assert s.stats()["pairs"] == 0 and s.stats()["user_campaign"] == 0
+    assert s.put(3, 3, 0, 0, [1.0, 2.0], now=20)  # the store still works once time has moved on
+    assert s.global_default(now=21).tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("ttl", [0.0, -5.0, float("nan")])
+def test_a_ttl_that_is_not_positive_is_refused(ttl):
+    """NaN kept every value fresh forever; <= 0 made every put expire at once (no exact hit, ever)."""
+    with pytest.raises(ValueError, match="ttl_s must be a positive number"):
+        PrecomputeStore(ttl_s=ttl, version="v")
+
+
+def test_a_misspelt_tier_is_an_error_not_a_silent_skip():
+    s = PrecomputeStore(ttl_s=1000, version="v")
+    look = HierarchicalLookup(s, campaign_of=campaign_of, segment_of=segment_of)
+    with pytest.raises(ValueError, match="neighbours"):
+        look.lookup(1, 3, now=0, tiers=("exact", "neighbours"))

@@ -77,6 +77,9 @@ class HierarchicalLookup:
 
     def lookup(self, user: int, ad: int, *, now: float, tiers: Sequence[str] = TIERS) -> LookupResult | None:
         """The first tier (in TIERS order, among `tiers`) that has a value; None only if `default` is excluded."""
+        unknown = [t for t in tiers if t not in TIER_INDEX]
+        if unknown:  # e.g. "neighbours": a misspelt tier would otherwise be skipped silently
+            raise ValueError(f"unknown tiers {unknown}: tiers are {list(TIERS)}")
         version = self.store.version
         for tier in TIERS:
             if tier not in tiers:

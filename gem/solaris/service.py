@@ -78,6 +78,8 @@ class SolarisService:
         """Score pairs with the FM and store them (synchronous; run it in a thread from asyncio)."""
         if not pairs:
             return 0
+        # the version live *before* scoring: values of a model swapped out meanwhile are refused by put
+        version = version or self.store.version
         users = np.array([u for u, _ in pairs], np.int64)
         ads = np.array([a for _, a in pairs], np.int64)
         rows = np.array([self.user_row[u] for u in users.tolist()], np.int64)
@@ -161,7 +163,11 @@ class SolarisService:
         runner = web.AppRunner(self.app())
         await runner.setup()
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:  # e.g. the port is taken: stop the precompute task setup() already started
+            await runner.cleanup()
+            raise
         bound = runner.addresses[0][1]
         return runner, bound
 
@@ -211,8 +217,9 @@ def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: 
 
     end = float(context.request_time.max())
     if clock is None:
-        offset = time.time() - end
-        clock = lambda: time.time() - offset  # noqa: E731
+        # elapsed time from the monotonic clock: a wall-clock step back (NTP) must not move the store's now back
+        start = time.monotonic()
+        clock = lambda: end + (time.monotonic() - start)  # noqa: E731
     store = PrecomputeStore(ttl_s=ttl_s, version=version)
     predictor = RequestPredictor(segment_of=segment_of, campaign_of=campaign_of)
     lookup = HierarchicalLookup(store, campaign_of=campaign_of, segment_of=segment_of)

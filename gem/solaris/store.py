@@ -75,6 +75,8 @@ class PrecomputeStore:
     def __init__(self, *, ttl_s: float, version: str, value_dim: int = 2, max_entries: int = 1_000_000):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if not ttl_s > 0:  # also refuses NaN, which would make every entry fresh forever
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
         self.ttl_s = float(ttl_s)
         self.value_dim = value_dim
         self.max_entries = max_entries
@@ -168,6 +170,8 @@ class PrecomputeStore:
         """
         version = version or self._version
         value = np.asarray(value, np.float32)
+        if value.shape != (self.value_dim,):  # checked before any table changes: a bad put must not half-land
+            raise ValueError(f"value must have shape ({self.value_dim},), got {value.shape}")
         key = (user, ad)
         with self._lock:
             if version != self._version:
