@@ -280,9 +280,48 @@ def test_rbac_grants_nothing_dangerous() -> None:
     # Nodes: read-only, for their topology labels (docs/parallelism.md); never patched or deleted.
     assert {v for _, r, v in everything if r == "nodes"} == {"get", "list"}
     assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
-    # Subresources: status (ours) and pods/log, read-only (the trainer's progress lines).
-    assert all(r.endswith("/status") or "/" not in r or r == "pods/log" for r in resources)
+    # Subresources: status (ours), finalizers (ours, update only: see the next test) and pods/log,
+    # read-only (the trainer's progress lines).
+    assert all(r.endswith(("/status", "/finalizers")) or "/" not in r or r == "pods/log" for r in resources)
+    assert {v for _, r, v in everything if r.endswith("/finalizers")} == {"update"}
     assert {v for _, r, v in everything if r == "pods/log"} == {"get"}
+
+
+@pytest.mark.parametrize("values", [None, NAMESPACED], ids=["cluster", "namespaced"])
+def test_rbac_lets_the_operator_set_block_owner_deletion_on_its_children(values: dict[str, Any] | None) -> None:
+    # The OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift and hardened
+    # clusters) refuses an ownerReference with blockOwnerDeletion: true (403) unless its creator
+    # may update the owner's finalizers subresource: without it no job would ever be created.
+    from gem.api import render as gem_render
+    from gem.api.types import KINDS
+    from gem_operator.validation import parse_resource
+
+    grants = granted(render(values))
+    served = set().union(*(g for (kind, ns), g in grants.items() if kind == "ClusterRole" or ns == "team-a"))
+    bodies = [
+        {"kind": "GEMTraining", "spec": {}},
+        {"kind": "LoopFMDistill", "spec": {"teacher": {"checkpoint": "/ckpt/teacher"}}},
+    ]
+    for body in bodies:
+        obj = parse_resource(body["kind"], {
+            "apiVersion": "gem.dev/v1alpha1", **body,
+            "metadata": {"name": "owner", "namespace": "team-a", "uid": "u-1", "generation": 1},
+        })
+        children = [gem_render.render_config_map(obj), gem_render.render_pytorchjob(obj)]
+        for ref in (r for child in children for r in child["metadata"]["ownerReferences"] if r.get("blockOwnerDeletion")):
+            group = ref["apiVersion"].split("/")[0]
+            assert (group, f"{KINDS[ref['kind']]['plural']}/finalizers", "update") in served, ref["kind"]
+
+
+def test_rbac_grants_no_write_the_operator_never_makes() -> None:
+    # Children go by their ownerReferences and every write (kopf's too) is a patch: the
+    # operator's code calls no delete_* or replace_* (update) method of the kubernetes client.
+    code = "".join(p.read_text() for p in (ROOT / "operator" / "gem_operator").glob("*.py"))
+    assert not re.search(r"\.(delete|replace)_\w+\(", code)
+    everything = set().union(*granted(render()).values(), *granted(render(NAMESPACED)).values())
+    assert {(r, v) for _, r, v in everything if v in ("delete", "update")} == {
+        (f"{plural}/finalizers", "update") for plural in ("gemtrainings", "loopfmdistills")
+    }
 
 
 def test_rbac_create_false_renders_no_rbac() -> None:

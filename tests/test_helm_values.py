@@ -87,6 +87,8 @@ BAD_VALUES = [
     ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
     ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create"),
+    # a selector label would render twice in the pod template and stop matching the Deployment's selector
+    ({"operator": {"podLabels": {"app.kubernetes.io/component": "ctl"}}}, "/operator/podLabels"),
     ({"nodePools": {"GPU": {}}}, "invalid propertyName 'GPU'"),
     ({"nodePools": {"gpu": {"nodeSelector": {"a": 1}}}}, "/nodePools/gpu/nodeSelector/a"),
     ({"nodePools": {"gpu": {"tolerations": [{"operator": "Maybe"}]}}}, "/nodePools/gpu/tolerations/0/operator"),

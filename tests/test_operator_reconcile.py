@@ -129,6 +129,58 @@ def test_a_running_teacher_with_a_claim_is_still_waited_for(cluster):
     assert (status["phase"], condition(status, "TeacherReady")["reason"]) == ("WaitingForTeacher", "TeacherNotSucceeded")
 
 
+def test_pointing_a_waiting_distillation_at_a_new_teacher_waits_for_it(cluster):
+    # The TeacherNotSucceeded of the old teacher is not "seen" for the new one: before the fix the
+    # distillation failed at once with "teacher GEMTraining default/next was deleted before it succeeded".
+    teacher(cluster, "first", {"phase": "Running"}, claimName="shared")
+    stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "first"})
+    with pytest.raises(kopf.TemporaryError):
+        reconcile.reconcile("LoopFMDistill", cluster.get(API, "LoopFMDistill", "student"), LOG)
+    # kubectl edit: spec.teacher.gemTraining first -> next (to be created)
+    edited = kube.custom().patch_namespaced_custom_object(
+        "gem.dev", "v1alpha1", "default", "loopfmdistills", "student", {"spec": {"teacher": {"gemTraining": "next"}}})
+    with pytest.raises(kopf.TemporaryError, match="does not exist"):
+        reconcile.reconcile("LoopFMDistill", edited, LOG)
+    status = cluster.get(API, "LoopFMDistill", "student")["status"]
+    assert (status["phase"], condition(status, "TeacherReady")["reason"]) == ("WaitingForTeacher", "TeacherNotFound")
+    assert "TeacherDeleted" not in warnings(cluster, "student")
+
+
+def test_a_job_deleted_after_an_invalid_edit_fails_the_resource_instead_of_leaving_it_invalid(cluster):
+    # Before the fix: phase Invalid (not JobDeleted), and once the spec was fixed it stayed Invalid
+    # with the old message for good (Invalid is terminal and the vanished job was never reported).
+    stored(cluster, "GEMTraining", "gone", parallelism={"numNodes": 1})
+    status = reconcile.reconcile("GEMTraining", cluster.get(API, "GEMTraining", "gone"), LOG)
+    cluster.patch_status(API, "GEMTraining", "gone", status)
+    bad = kube.custom().patch_namespaced_custom_object(  # the CRD takes it, the operator's validation does not
+        "gem.dev", "v1alpha1", "default", "gemtrainings", "gone",
+        {"spec": {"parallelism": {"procsPerNode": 8}, "resources": {"gpusPerNode": 4}}})
+    cluster.delete(JOBS, "PyTorchJob", "gone-train")  # kubectl delete pytorchjob gone-train
+    status = reconcile.reconcile("GEMTraining", bad, LOG)
+    assert status["phase"] == "Failed" and condition(status, "Failed")["reason"] == "JobDeleted"
+    cluster.patch_status(API, "GEMTraining", "gone", status)
+    fixed = kube.custom().patch_namespaced_custom_object(
+        "gem.dev", "v1alpha1", "default", "gemtrainings", "gone", {"spec": {"parallelism": {"procsPerNode": 1}}})
+    assert reconcile.reconcile("GEMTraining", fixed, LOG)["phase"] == "Failed"
+    assert cluster.get(JOBS, "PyTorchJob", "gone-train") is None  # never a second job
+
+
+def test_an_operator_that_died_after_creating_the_job_still_reports_created(cluster):
+    teacher(cluster, "t", {"phase": "Running"}, claimName="shared")
+    stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "t"})
+    with pytest.raises(kopf.TemporaryError):
+        reconcile.reconcile("LoopFMDistill", cluster.get(API, "LoopFMDistill", "student"), LOG)
+    cluster.patch_status(API, "GEMTraining", "t", {"phase": "Succeeded", "latestCheckpoint": "/var/lib/gem/checkpoints/x"})
+    waiting = cluster.get(API, "LoopFMDistill", "student")
+    reconcile.reconcile("LoopFMDistill", waiting, LOG)  # creates the job; the operator dies before the status write
+    assert cluster.get(JOBS, "PyTorchJob", "student-distill") is not None
+    status = reconcile.reconcile("LoopFMDistill", waiting, LOG)  # the restarted operator; no job condition yet
+    # before the fix: still WaitingForTeacher, "waiting for teacher ... (now Running)", with its job running
+    assert (status["phase"], status["message"]) == ("Created", "PyTorchJob student-distill created")
+    assert condition(status, "TeacherReady")["status"] == "True"
+    assert [e["reason"] for e in cluster.events(involved_name="student")].count("JobCreated") == 1
+
+
 # --------------------------------------------------------------------------- a ConfigMap of someone else
 
 

@@ -22,12 +22,16 @@ from kubernetes.client.rest import ApiException
 from gem.api.types import GROUP, KINDS, VERSION
 from gem_operator.settings import CONFIG
 
-#: Everything the operator's code does to the API (kopf's own needs included).
+#: Everything the operator's code does to the API (kopf's own needs included). Writes are patches
+#: (kopf's too): no update, and no delete: children go by their ownerReferences.
 RBAC_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [GROUP], "resources": [k["plural"] for k in KINDS.values()], "verbs": ["get", "list", "watch", "patch", "update"]},
-    {"apiGroups": [GROUP], "resources": [f"{k['plural']}/status" for k in KINDS.values()], "verbs": ["get", "patch", "update"]},
-    {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [GROUP], "resources": [k["plural"] for k in KINDS.values()], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{k['plural']}/status" for k in KINDS.values()], "verbs": ["get", "patch"]},
+    # Children carry blockOwnerDeletion: true; where the OwnerReferencesPermissionEnforcement admission
+    # plugin runs (OpenShift, hardened clusters) setting it needs update on the owner's finalizers.
+    {"apiGroups": [GROUP], "resources": [f"{k['plural']}/finalizers" for k in KINDS.values()], "verbs": ["update"]},
+    {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # the master's recent log lines carry the trainer's progress (see gem.api.status.progress_from_log)
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},

@@ -88,7 +88,9 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
     """A LoopFMDistill's teacher as a checkpoint path (and the claim holding it).
 
     `status` is the distillation's current status: a teacher seen before and gone now was
-    deleted, which is final; one never seen may still be created.
+    deleted, which is final; one never seen may still be created. Seen counts only for the spec
+    the status was written for (observedGeneration): a distillation pointed at another teacher
+    after the edit has not seen that one.
     """
     teacher = obj.spec.teacher
     if teacher.checkpoint:
@@ -97,7 +99,10 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
         return None  # the trainer downloads it from MLflow itself
     ns, ref = obj.metadata.namespace, teacher.gem_training
     parent = kube.get_resource("GEMTraining", ns, ref)
-    seen = (st.get_condition(status, "TeacherReady") or {}).get("reason") in ("TeacherNotSucceeded", "TeacherSucceeded")
+    seen = (
+        (st.get_condition(status, "TeacherReady") or {}).get("reason") in ("TeacherNotSucceeded", "TeacherSucceeded")
+        and (status or {}).get("observedGeneration") == obj.metadata.generation
+    )
     if parent is None and seen:
         raise TeacherNotReady(
             "TeacherDeleted", f"teacher GEMTraining {ns}/{ref} was deleted before it succeeded", permanent=True
@@ -204,11 +209,13 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     if existing is not None and kube.owned_by(existing, meta.get("uid")):
         # A job runs: an invalid edit is a rejected change like any other, the job is left alone.
         return _reconcile_running(body, existing, status, logger, obj, problem)
-    if obj is None:
-        return mark_invalid(kind, body, str(problem), logger)
     if status.get("pytorchJob") and status.get("phase") not in (None, Phase.pending.value, Phase.waiting_for_teacher.value):
         # Its job existed and is gone (deleted by hand): never run a second job for one resource.
+        # Checked before the spec: an invalid edit made while the job ran must not hide this
+        # behind phase Invalid, which a later fix of the spec could never leave.
         return _job_vanished(body, status, job_name)
+    if obj is None:
+        return mark_invalid(kind, body, str(problem), logger)
 
     teacher = None
     if kind == "LoopFMDistill":
@@ -262,12 +269,14 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     plan_status = parallel.plan_status(parallel.job_topology_info(child) or {})
     if plan_status:
         status["parallelPlan"] = plan_status
-    # Failed here is a teacher that could not be used (a failure with a job never gets this far):
-    # the edited spec.teacher now runs.
-    if status.get("phase") in (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value,
-                               Phase.failed.value):
+    if status.get("phase") in _BEFORE_JOB:
         status = _set_phase(status, Phase.created.value, f"PyTorchJob {job_name} created")
     return status
+
+
+#: Phases a resource has before its job exists. Failed here is a teacher that could not be used (a
+#: failure with a job never gets this far): the edited spec.teacher now runs.
+_BEFORE_JOB = (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase.invalid.value, Phase.failed.value)
 
 
 def _job_vanished(body: dict[str, Any], status: dict[str, Any], job_name: str) -> dict[str, Any]:
@@ -343,7 +352,12 @@ def _reconcile_running(
         else:
             logger.info("suspend=%s waits for Kueue to create the Workload of %s", want, job["metadata"]["name"])
     status = {**status, "conditions": conds, "pytorchJob": job["metadata"]["name"], "observedGeneration": meta.get("generation")}
-    status = {**status, **mirror_job(status, job, body, logger)}
+    mirrored = mirror_job(status, job, body, logger)
+    status = {**status, **mirrored}
+    if "phase" not in mirrored and status.get("phase") in _BEFORE_JOB:
+        # The job has no condition yet and an operator that died right after creating it never
+        # wrote Created: without this the resource would keep, say, WaitingForTeacher.
+        status = _set_phase(status, Phase.created.value, f"PyTorchJob {job['metadata']['name']} created")
     return _observe_parallelism(body, job, status, logger)
 
 
