@@ -281,6 +281,7 @@ def _ttl_seconds(text: str) -> float:
 
 def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
     import asyncio
+    import signal
 
     from gem.loopfm.logging import model_version_of
     from gem.solaris.service import build_service, require_synthetic_world
@@ -297,10 +298,14 @@ def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
             raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
                               "pass a free --port (0: any) and a --host of this machine (0.0.0.0: all)") from e
         log.info("solaris: serving on http://%s:%d (version %s)", args.host, port, service.store.version)
+        stop = asyncio.Event()
+        # Kubernetes stops a pod with SIGTERM (whose default kills at once): stop as on Ctrl-C instead
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
-            await runner.cleanup()
+            await runner.cleanup()  # closes the listener and connections, stops the precompute task
+            log.info("solaris: stopped")
 
     try:
         asyncio.run(serve())

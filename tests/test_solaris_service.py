@@ -189,12 +189,7 @@ def test_serve_precompute_refuses_a_bad_port_or_ttl_before_loading(tmp_path, cap
 def test_serve_precompute_on_a_taken_port_is_a_config_error(tmp_path, capsys):
     import socket
 
-    import torch
-
-    ckpt = tmp_path / "fm" / "step-00000001"
-    ckpt.mkdir(parents=True)
-    _write(ckpt / "gem.yaml", MANIFEST)
-    torch.save(build_model(parse_object(MANIFEST).spec.model).state_dict(), ckpt / "model.pt")
+    ckpt = _tiny_checkpoint(tmp_path)
     config = _write(tmp_path / "fm.yaml", MANIFEST)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -204,3 +199,166 @@ def test_serve_precompute_on_a_taken_port_is_a_config_error(tmp_path, capsys):
                          "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "pass a free --port" in err
+
+
+def _strict_json(text):
+    """json.loads that fails on NaN / Infinity, which are not JSON (a strict client rejects them)."""
+    import json
+
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c} in {text}"))
+
+
+def test_repeated_precompute_failures_are_counted_logged_once_and_fail_healthz(caplog):
+    """Failed rounds were only logged (a full traceback every interval); /healthz said ok, /metrics had no counter."""
+    import logging
+
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    score = service.scorer.score
+
+    def diverged(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    service.scorer.score = diverged
+
+    async def scenario():
+        runner, port = await service.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(400):  # rounds keep failing every interval_s
+                    async with http.get(f"{base}/healthz") as r:
+                        status, body = r.status, _strict_json(await r.text())
+                    if status != 200 or body.get("consecutiveFailures", 0) > 6:
+                        break
+                    await asyncio.sleep(0.05)
+                async with http.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                assert status == 503 and body["status"] == "failing"  # a liveness probe restarts the pod
+                assert body["consecutiveFailures"] >= 5  # unhealthy_after's default
+                assert body["lastError"] == "RuntimeError: CUDA error: an illegal memory access"
+                assert f"solaris_precompute_failures_total {float(service.failures)}" in text
+                service.scorer.score = score  # the model recovers
+                for _ in range(400):
+                    async with http.get(f"{base}/healthz") as r:
+                        status, body = r.status, _strict_json(await r.text())
+                    if status == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                assert status == 200 and body["status"] == "ok" and body["consecutiveFailures"] == 0
+                assert body["lastError"] is None
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.INFO, logger="gem.solaris"):
+        asyncio.run(scenario())
+    failed = [r for r in caplog.records if "precompute round failed" in r.getMessage()]
+    assert len(failed) == service.failures
+    assert sum(r.exc_info is not None for r in failed) == 1  # one traceback per distinct error, not per round
+    assert "(5 in a row)" in "\n".join(r.getMessage() for r in failed)
+    assert any("recovered after" in r.getMessage() for r in caplog.records)
+
+
+def test_a_diverged_model_is_never_served_and_lookup_json_is_standard():
+    """NaN/inf FM values were stored and /lookup answered `{"value": [NaN, ...]}`, which is not JSON."""
+    import numpy as np
+
+    from gem.solaris.fallback import LookupResult
+
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    user = int(service.context.user_id[int(service.context.request_time.argmax())])
+    recent_ad = next(reversed(service.predictor._recent[user]))
+    score = service.scorer.score
+
+    def diverged(*args, **kw):
+        values, embs = score(*args, **kw)
+        return np.full_like(values, np.nan), embs
+
+    service.scorer.score = diverged
+
+    async def scenario():
+        runner, port = await service.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(400):
+                    if service.rounds >= 1:
+                        break
+                    await asyncio.sleep(0.05)
+                async with http.get(f"{base}/lookup", params={"user": user, "ad": recent_ad}) as r:
+                    body = _strict_json(await r.text())
+                assert r.status == 200 and body["tier"] == "default" and body["value"] == [0.0, 0.0]
+                async with http.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                assert f"solaris_nonfinite_values_total {float(service.store.nonfinite)}" in text
+                assert service.store.nonfinite > 0 and service.store.stats()["pairs"] == 0
+                # and whatever a tier returns, /lookup never writes NaN: it answers an error instead
+                service.lookup_.lookup = lambda u, a, now: LookupResult(np.array([np.inf, 0.0], np.float32),
+                                                                         "neighbors", "test-v1")
+                async with http.get(f"{base}/lookup", params={"user": user, "ad": recent_ad}) as r:
+                    body = _strict_json(await r.text())
+                assert r.status == 500 and "not finite" in body["error"]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_predictor_that_forgets_users_still_active_is_refused():
+    from gem.solaris.predictor import RequestPredictor
+    from gem.solaris.service import SolarisService
+
+    service = make_service([0.0])  # a 10-day activity window: build_service keeps users at least that long
+    assert service.predictor.forget_after_s >= service.active_window_s
+    short = RequestPredictor(segment_of=lambda u: None, campaign_of=lambda a: 0, forget_after_s=3600.0)
+    with pytest.raises(ValueError, match="forget_after_s"):
+        SolarisService(scorer=service.scorer, context=service.context, store=service.store, predictor=short,
+                       lookup=service.lookup_, active_window_s=86400.0)
+
+
+def _tiny_checkpoint(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "fm" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    _write(ckpt / "gem.yaml", MANIFEST)
+    torch.save(build_model(parse_object(MANIFEST).spec.model).state_dict(), ckpt / "model.pt")
+    return ckpt
+
+
+def test_serve_precompute_stops_gracefully_on_sigterm(tmp_path):
+    """Kubernetes stops a pod with SIGTERM: the server died at once (exit -15), the precompute task and the
+    HTTP runner never cleaned up. It now stops as on Ctrl-C: exit 0 after both are stopped."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    ckpt = _tiny_checkpoint(tmp_path)
+    config = _write(tmp_path / "fm.yaml", MANIFEST)
+    proc = subprocess.Popen([sys.executable, "-m", "gem.cli", "serve-precompute", "--config", config,
+                             "--checkpoint", str(ckpt), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:  # EOF if it exits before serving
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "serve-precompute exited before serving"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as r:
+            assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "solaris: precompute task stopped" in err and "solaris: stopped" in err
+    assert "Traceback" not in err

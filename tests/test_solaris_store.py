@@ -190,3 +190,85 @@ def test_a_misspelt_tier_is_an_error_not_a_silent_skip():
     look = HierarchicalLookup(s, campaign_of=campaign_of, segment_of=segment_of)
     with pytest.raises(ValueError, match="neighbours"):
         look.lookup(1, 3, now=0, tiers=("exact", "neighbours"))
+
+
+def test_a_non_finite_value_is_refused_and_counted():
+    """A diverged model's NaN/inf logits were stored and served (as `NaN`, which is not JSON) by /lookup."""
+    import json
+
+    s = PrecomputeStore(ttl_s=100, version="v")
+    look = HierarchicalLookup(s, campaign_of=lambda a: 0, segment_of=lambda u: 0)
+    assert s.put(1, 2, 0, 0, [0.5, 0.5], now=0, user_embedding=np.array([1.0, 0.0]))
+    assert not s.put(1, 3, 0, 0, [float("nan"), 1.0], now=0)
+    assert not s.put(1, 2, 0, 0, [float("inf"), 1.0], now=1)  # the earlier, finite value of the pair stays
+    assert not s.put(1, 4, 0, 0, [1e39, 1.0], now=1)  # finite in float64, inf once stored as float32
+    assert not s.put(2, 3, 0, 0, [1.0, 1.0], now=1, user_embedding=np.array([np.nan, 0.0]))
+    assert s.nonfinite == 4 and s.stats()["pairs"] == 1 and s.puts == 1
+    assert s.get(1, 3, now=2) is None and s.get(1, 2, now=2).value.tolist() == [0.5, 0.5]
+    assert s.user_embedding(2) is None
+    r = look.lookup(1, 3, now=2)
+    assert r.tier == "campaign" and r.value.tolist() == [0.5, 0.5]  # falls through to the next tier
+    json.loads(json.dumps(r.to_json()), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+
+
+def test_user_embeddings_outlive_their_pairs_but_are_bounded():
+    """An embedding is the lookup key of the neighbours tier, not a served value: it survives its user's pairs
+    expiring (until set_version), but the store holds at most max_entries of them (it grew without bound)."""
+    s = PrecomputeStore(ttl_s=10, version="v", max_entries=3)
+    look = HierarchicalLookup(s, campaign_of=lambda a: a, segment_of=lambda u: None)
+    s.put(1, 5, 5, None, [1.0, 0.0], now=0, user_embedding=np.array([1.0, 0.0]))
+    s.put(2, 7, 7, None, [3.0, 0.0], now=20, user_embedding=np.array([1.0, 0.1]))  # user 1's pair has expired
+    r = look.lookup(1, 7, now=21)
+    assert r.tier == "neighbors" and r.value[0] == pytest.approx(3.0)  # user 1 still finds its neighbour
+    for u in range(3, 8):
+        s.put(u, 9, 9, None, [0.0, 0.0], now=30, user_embedding=np.array([0.0, 1.0]))
+    assert s.stats()["user_embeddings"] == 3  # the least recently computed users were forgotten
+    assert s.user_embedding(1) is None and s.user_embedding(7) is not None
+    s.put(5, 8, 8, None, [0.0, 0.0], now=31, user_embedding=np.array([0.0, 1.0]))  # user 5 computed again
+    s.put(8, 9, 9, None, [0.0, 0.0], now=31, user_embedding=np.array([0.0, 1.0]))
+    assert s.user_embedding(5) is not None and s.user_embedding(6) is None
+    s.set_version("w")
+    assert s.stats()["user_embeddings"] == 0
+
+
+def test_predictor_memory_is_bounded_by_its_horizon():
+    """Every lookup (any user id) added a user to the predictor for good, and active_users scanned them all."""
+    p = RequestPredictor(segment_of=lambda u: None, campaign_of=campaign_of)
+    minute = 60.0
+    for i in range(20_000):  # a new user every minute for ~two weeks
+        p.observe(10**9 + i, i % 40, now=i * minute)
+    held = 7 * 24 * 60 + 1  # the default horizon: users seen in the last 7 days
+    assert len(p.last_seen) <= held and len(p._recent) <= held
+    assert set(p.last_seen) == set(p._recent)
+
+
+def test_forgetting_old_users_leaves_predictions_within_the_horizon_unchanged():
+    rng = np.random.default_rng(1)
+    horizon = 500.0
+    kw = dict(segment_of=lambda u: u % 3 if u < 40 else None, campaign_of=campaign_of, recent_per_user=4)
+    bounded = RequestPredictor(forget_after_s=horizon, **kw)
+    unbounded = RequestPredictor(forget_after_s=float("inf"), **kw)  # the old behaviour: nobody is forgotten
+    now, returned = 0.0, set()
+    for step in range(4000):
+        now += float(rng.exponential(2.0))
+        u, a = int(rng.integers(0, 60)), int(rng.integers(0, 50))
+        if rng.random() < 0.3:
+            u = 1000 + step  # a user seen once
+        if now - unbounded.last_seen.get(u, now) > horizon:
+            returned.add(u)  # back after a gap longer than the horizon: forgotten meanwhile
+        bounded.observe(u, a, now=now)
+        unbounded.observe(u, a, now=now)
+        if step % 400 == 399:
+            for window in (100.0, horizon):
+                assert sorted(bounded.active_users(now, window)) == sorted(unbounded.active_users(now, window))
+            active = bounded.active_users(now, horizon)
+            within = [u for u in active if u not in returned]  # never away longer than the horizon
+            assert 0 < len(within) < len(active)  # both cases are exercised
+            assert bounded.predict(within, per_user=6) == unbounded.predict(within, per_user=6)
+            for u in set(active) - set(within):  # came back after a gap: only what is older than the horizon is gone
+                kept, ref = list(bounded._recent[u]), list(unbounded._recent[u])
+                assert kept == [a for a in ref if a in kept]
+                assert all(now - t > horizon for a, t in unbounded._recent[u].items() if a not in kept)
+            assert len(bounded.last_seen) < len(unbounded.last_seen)  # the rest were forgotten
+    with pytest.raises(ValueError, match="forget_after_s"):
+        RequestPredictor(forget_after_s=0.0, **kw)

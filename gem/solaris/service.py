@@ -2,14 +2,21 @@
 
     GET /lookup?user=U&ad=A   -> {"value": [click_logit, conversion_logit], "tier": "exact"|..., "tierIndex",
                                   "version", "user", "ad"}
-    GET /healthz              -> {"status": "ok", "version", "pairs"}
-    GET /metrics              -> Prometheus text: lookups per tier, precomputed pairs, precompute rounds
+    GET /healthz              -> {"status": "ok"|"failing", "version", "pairs", "consecutiveFailures", "lastError"}
+                                 (503 once `unhealthy_after` precompute rounds in a row have failed)
+    GET /metrics              -> Prometheus text (prometheus-client): lookups per tier, store entries,
+                                 precomputed pairs, precompute rounds and failures, refused non-finite values
 
 Every lookup is also a request observation: it feeds the predictor's recent candidates and the
 segment popularity, so what is asked for now is what gets precomputed next. The background task
 (`run_precompute`) wakes every `interval_s`, asks the predictor for the pairs of recently active
 users, skips those still fresh in the store, scores the rest with the FM in a worker thread (the
 event loop keeps answering lookups) and writes them to the store with the model version and TTL.
+
+A failed round is counted and logged (the traceback once per distinct error: type and place it was
+raised; then one line per failed round) and the loop goes on. After `unhealthy_after` failures in a
+row /healthz answers 503: as a liveness probe it restarts a pod whose model keeps failing (values
+go stale and lookups degrade to the default tier meanwhile), rather than serving on silently.
 
 Time: `clock()` returns the service's notion of now in seconds; the CLI maps wall time onto the
 synthetic world's timeline, the benchmark and tests drive a simulated clock.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 
@@ -27,7 +35,7 @@ import numpy as np
 
 from gem.data.synthetic import Examples
 from gem.solaris.fallback import TIERS, HierarchicalLookup
-from gem.solaris.predictor import RequestPredictor
+from gem.solaris.predictor import DEFAULT_FORGET_AFTER_S, RequestPredictor
 from gem.solaris.scorer import FMScorer
 from gem.solaris.store import PrecomputeStore
 
@@ -37,7 +45,11 @@ log = logging.getLogger("gem.solaris")
 class SolarisService:
     def __init__(self, *, scorer: FMScorer, context: Examples, store: PrecomputeStore,
                  predictor: RequestPredictor, lookup: HierarchicalLookup, clock: Callable[[], float] = time.time,
-                 per_user: int = 8, active_window_s: float = 24 * 3600.0, interval_s: float = 1.0):
+                 per_user: int = 8, active_window_s: float = 24 * 3600.0, interval_s: float = 1.0,
+                 unhealthy_after: int = 5):
+        if predictor.forget_after_s < active_window_s:
+            raise ValueError(f"the predictor's forget_after_s ({predictor.forget_after_s:g}s) is shorter than "
+                             f"active_window_s ({active_window_s:g}s): users still active would be forgotten")
         self.scorer = scorer
         self.context = context
         self.store = store
@@ -53,6 +65,11 @@ class SolarisService:
         self.tier_counts: Counter[str] = Counter()
         self.rounds = 0
         self.precomputed = 0
+        self.unhealthy_after = unhealthy_after
+        self.failures = 0  # failed rounds, ever
+        self.consecutive_failures = 0
+        self.last_error: str | None = None  # of the current run of failures; None after a round succeeds
+        self._logged_errors: set[tuple] = set()  # (type, file, line) already logged with a traceback
 
     # ------------------------------------------------------------------ core
 
@@ -86,10 +103,13 @@ class SolarisService:
         values, embs = self.scorer.score(self.context, rows, ads)
         campaign = self.scorer.ad_campaign[ads]
         segment_of = self.lookup_.segment_of
-        n = 0
+        n, nonfinite = 0, self.store.nonfinite
         for i in range(len(pairs)):
             n += self.store.put(int(users[i]), int(ads[i]), int(campaign[i]), segment_of(int(users[i])), values[i],
                                 now=now, version=version, user_embedding=embs[i])
+        if self.store.nonfinite > nonfinite:
+            log.warning("precompute: the store refused %d of %d pairs whose FM value or embedding is NaN/inf "
+                        "(a diverged model?)", self.store.nonfinite - nonfinite, len(pairs))
         self.precomputed += n
         return n
 
@@ -105,12 +125,66 @@ class SolarisService:
         while not stop.is_set():
             try:
                 await self.precompute_once()
-            except Exception:  # noqa: BLE001 - a failed round must not kill the service
-                log.exception("precompute round failed")
+            except Exception as e:  # noqa: BLE001 - a failed round must not kill the service
+                self._round_failed(e)
+            else:
+                if self.consecutive_failures:
+                    log.info("precompute recovered after %d failed rounds", self.consecutive_failures)
+                self.consecutive_failures, self.last_error = 0, None
+                self._logged_errors.clear()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _round_failed(self, e: Exception) -> None:
+        self.failures += 1
+        self.consecutive_failures += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        key = (type(e), where and where.filename, where and where.lineno)
+        # the traceback once per distinct error (type and where raised, not the message: it may carry
+        # varying numbers), then one line per round, so a persistent failure does not flood the log
+        log.error("precompute round failed (%d in a row): %s", self.consecutive_failures, self.last_error,
+                  exc_info=e if key not in self._logged_errors else None)
+        self._logged_errors.add(key)
+        if self.consecutive_failures == self.unhealthy_after:
+            log.error("precompute failed %d rounds in a row: /healthz answers 503 until a round succeeds",
+                      self.consecutive_failures)
+
+    def metrics_registry(self):
+        """A prometheus-client registry whose collector reads this service's counters at scrape time."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        service = self
+
+        class Collector:
+            def collect(self):
+                lookups = CounterMetricFamily("solaris_lookups_total", "Lookups answered, by the tier that answered.",
+                                              labels=["tier"])
+                for t in TIERS:
+                    lookups.add_metric([t], service.tier_counts.get(t, 0))
+                yield lookups
+                entries = GaugeMetricFamily("solaris_store_entries", "Entries held by the store, by table.",
+                                            labels=["table"])
+                for k, v in service.store.stats().items():
+                    if k != "puts":
+                        entries.add_metric([k], v)
+                yield entries
+                yield CounterMetricFamily("solaris_precomputed_total", "Pairs precomputed and stored.",
+                                          value=service.precomputed)
+                yield CounterMetricFamily("solaris_precompute_rounds_total", "Precompute rounds completed.",
+                                          value=service.rounds)
+                yield CounterMetricFamily("solaris_precompute_failures_total",
+                                          "Precompute rounds that failed with an exception.", value=service.failures)
+                yield CounterMetricFamily("solaris_nonfinite_values_total",
+                                          "Computed pairs the store refused because the value or embedding was "
+                                          "NaN or infinite.", value=service.store.nonfinite)
+
+        registry = CollectorRegistry()
+        registry.register(Collector())
+        return registry
 
     # ------------------------------------------------------------------ HTTP
 
@@ -125,21 +199,25 @@ class SolarisService:
             if user < 0 or ad < 0 or ad >= len(self.scorer.ad_campaign):
                 return web.json_response({"error": f"unknown user {user} or ad {ad}"}, status=404)
             result = self.lookup(user, ad)
+            if not np.isfinite(result.value).all():  # the store refuses NaN/inf; never write them as `NaN` (not JSON)
+                log.error("lookup user %d ad %d: the %s tier's value is not finite", user, ad, result.tier)
+                return web.json_response({"error": f"the {result.tier} tier's value for user {user} ad {ad} is "
+                                                   "not finite"}, status=500)
             return web.json_response({**result.to_json(), "user": user, "ad": ad})
 
         async def healthz(request: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "version": self.store.version,
-                                      "pairs": self.store.stats()["pairs"]})
+            failing = self.consecutive_failures >= self.unhealthy_after
+            return web.json_response({"status": "failing" if failing else "ok", "version": self.store.version,
+                                      "pairs": self.store.stats()["pairs"],
+                                      "consecutiveFailures": self.consecutive_failures, "lastError": self.last_error},
+                                     status=503 if failing else 200)
+
+        registry = self.metrics_registry()
 
         async def metrics(request: web.Request) -> web.Response:
-            lines = ["# TYPE solaris_lookups_total counter"]
-            lines += [f'solaris_lookups_total{{tier="{t}"}} {self.tier_counts.get(t, 0)}' for t in TIERS]
-            stats = self.store.stats()
-            lines += ["# TYPE solaris_store_entries gauge"]
-            lines += [f'solaris_store_entries{{table="{k}"}} {v}' for k, v in stats.items() if k != "puts"]
-            lines += ["# TYPE solaris_precomputed_total counter", f"solaris_precomputed_total {self.precomputed}",
-                      "# TYPE solaris_precompute_rounds_total counter", f"solaris_precompute_rounds_total {self.rounds}"]
-            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app = web.Application()
         app.router.add_get("/lookup", lookup)
@@ -151,7 +229,8 @@ class SolarisService:
             task = asyncio.create_task(self.run_precompute(stop))
             yield
             stop.set()
-            await task
+            await task  # lets a round in flight finish (its worker thread cannot be cancelled anyway)
+            log.info("solaris: precompute task stopped after %d rounds", self.rounds)
 
         app.cleanup_ctx.append(background)
         return app
@@ -221,7 +300,9 @@ def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: 
         start = time.monotonic()
         clock = lambda: end + (time.monotonic() - start)  # noqa: E731
     store = PrecomputeStore(ttl_s=ttl_s, version=version)
-    predictor = RequestPredictor(segment_of=segment_of, campaign_of=campaign_of)
+    # remember users at least as long as they count as active (longer activity windows than the default horizon)
+    predictor = RequestPredictor(segment_of=segment_of, campaign_of=campaign_of,
+                                 forget_after_s=max(DEFAULT_FORGET_AFTER_S, kw.get("active_window_s", 0.0)))
     lookup = HierarchicalLookup(store, campaign_of=campaign_of, segment_of=segment_of)
     service = SolarisService(scorer=scorer, context=context, store=store, predictor=predictor, lookup=lookup,
                              clock=clock, **kw)

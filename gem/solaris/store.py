@@ -1,6 +1,6 @@
 """The precompute store: versioned, TTL'd foundation-model values per (user, ad), plus the
-aggregates the fallback tiers read (user x campaign, segment x ad, ad default, global default,
-user embeddings).
+aggregates the fallback tiers read (user x campaign, segment x ad, ad default, global default),
+and each user's latest FM user embedding (the neighbours tier's similarity key).
 
 Every entry carries the model version it was computed with and its expiry time; a lookup with
 `now` past the expiry, or under another model version, misses. The aggregates are sums over the
@@ -9,6 +9,15 @@ aggregate when it expires or is evicted, so a mean never mixes stale values into
 Expired entries are swept (in expiry order, from a heap) by every read and write, so each entry is
 removed once and a lookup stays O(1) amortised. At `max_entries`, a put evicts the entry that
 expires first (TTLs are equal, so the oldest computed) before inserting a new pair.
+
+A value or embedding that is not finite (a diverged model's NaN/inf) is refused and counted in
+`nonfinite`: lookups fall through to the next tier instead of serving it.
+
+User embeddings are not TTL'd with the pairs: an embedding is the key the neighbours tier compares
+users by, not a value it serves (it serves the mean of the neighbours' fresh pairs), and under one
+model version it changes only when the user's state does. So a user whose pairs all expired still
+finds their neighbours. They are dropped by `set_version` (another model, another space), and at most
+`max_entries` are held (the least recently computed user goes first), so memory stays bounded.
 
 All methods take one lock (reads included: a sweep mutates), so the store is safe from threads and
 from asyncio tasks (each call is short and never awaits). Time is passed in explicitly (`now`,
@@ -20,6 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +95,7 @@ class PrecomputeStore:
         self._seq = itertools.count()  # heap tie-break: entries themselves are never compared
         self._clear()
         self.puts = 0
+        self.nonfinite = 0  # puts refused because the value or embedding was NaN/inf
 
     def _clear(self) -> None:
         self._pairs: dict[tuple[int, int], Entry] = {}
@@ -95,7 +106,7 @@ class PrecomputeStore:
         self._segment_ad: dict[tuple[int, int], _Sum] = {}
         self._ad_default: dict[int, _Sum] = {}
         self._global = _Sum(self.value_dim)
-        self._user_emb: dict[int, np.ndarray] = {}
+        self._user_emb: OrderedDict[int, np.ndarray] = OrderedDict()  # least recently computed first
 
     # ------------------------------------------------------------------ versions
 
@@ -163,17 +174,24 @@ class PrecomputeStore:
 
     def put(self, user: int, ad: int, campaign: int, segment: int | None, value: np.ndarray, *, now: float,
             version: str | None = None, user_embedding: np.ndarray | None = None) -> bool:
-        """Store one computed pair, replacing its previous value everywhere; False if its version is stale.
+        """Store one computed pair, replacing its previous value everywhere; False (nothing changes) if
+        its version is stale or the value or embedding is not finite (counted in `nonfinite`).
 
         segment None: the user has no segment (a user the segmentation never saw), so the pair feeds
         no segment x ad mean.
         """
         version = version or self._version
-        value = np.asarray(value, np.float32)
+        with np.errstate(over="ignore"):  # an overflow to inf is refused below, not warned about
+            value = np.asarray(value, np.float32)
+            emb = None if user_embedding is None else np.asarray(user_embedding, np.float32)
         if value.shape != (self.value_dim,):  # checked before any table changes: a bad put must not half-land
             raise ValueError(f"value must have shape ({self.value_dim},), got {value.shape}")
         key = (user, ad)
         with self._lock:
+            # checked after the float32 cast (1e39 becomes inf); the pair's earlier value, if any, stays
+            if not np.isfinite(value).all() or (emb is not None and not np.isfinite(emb).all()):
+                self.nonfinite += 1
+                return False
             if version != self._version:
                 return False
             self._sweep(now)
@@ -187,8 +205,11 @@ class PrecomputeStore:
             heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), key, entry))
             self._compact_heap()
             self._fold_in(user, ad, entry)
-            if user_embedding is not None:
-                self._user_emb[user] = np.asarray(user_embedding, np.float32)
+            if emb is not None:
+                self._user_emb[user] = emb
+                self._user_emb.move_to_end(user)
+                if len(self._user_emb) > self.max_entries:
+                    self._user_emb.popitem(last=False)
             self.puts += 1
             return True
 
