@@ -113,3 +113,135 @@ def test_a_student_named_as_teacher_is_a_spec_error_before_loading(tmp_path):
     manifest = distill_manifest(tmp_path, student)
     with pytest.raises(SpecError, match=r"^spec\.teacher: checkpoint .* holds a LoopFMDistill student"):
         load_teacher(manifest.spec, "local")
+
+
+def _mismatched_weights(path):
+    torch.save({"not.a.gem.weight": torch.zeros(2)}, path / "model.pt")
+
+
+def _truncated_weights(path):
+    data = (path / "model.pt").read_bytes()
+    (path / "model.pt").write_bytes(data[: len(data) // 2])
+
+
+def _empty_manifest(path):
+    (path / "gem.yaml").write_text("")
+
+
+def _not_yaml_manifest(path):
+    (path / "gem.yaml").write_text("spec: [unclosed")
+
+
+@pytest.mark.parametrize("damage", [_mismatched_weights, _truncated_weights, _empty_manifest, _not_yaml_manifest])
+def test_a_teacher_that_does_not_load_is_a_spec_error_naming_the_field(tmp_path, teacher_dir, damage):
+    """A corrupt, truncated or other-config teacher is the spec's fault (exit 2, no restart loop),
+    not a traceback (exit 1): the error names spec.teacher.<field> and the checkpoint."""
+    damage(teacher_dir)
+    manifest = distill_manifest(tmp_path, teacher_dir)
+    with pytest.raises(SpecError, match=r"^spec\.teacher\.checkpoint: .*step-00000001"):
+        load_teacher(manifest.spec, "local")
+
+
+def test_a_student_without_its_memory_does_not_load_silently(tmp_path, teacher_dir):
+    """A checkpoint copied out of its job dir (or MLflow's checkpoint/ artifacts) has no memory/ beside
+    it: loading it must fail naming the memory, not return a student that reads zeros for every user."""
+    import shutil
+
+    from gem.train.checkpoint import load_model
+
+    task = loopfm_task.LoopFMTask(distill_manifest(tmp_path, teacher_dir), device=torch.device("cpu"), is_main=True)
+    ckpt = save_student(task, tmp_path)
+    copy = tmp_path / "elsewhere" / "step-00000001"
+    shutil.copytree(ckpt, copy)
+    with pytest.raises(FileNotFoundError, match=r"LoopFM student and its memory .*elsewhere/memory is not there"):
+        load_loopfm_student(copy)
+    with pytest.raises(FileNotFoundError, match="memory_dir="):
+        load_model(copy)  # what `gem eval --checkpoint` uses: an OSError there is exit 2 naming --checkpoint
+    model, _ = load_loopfm_student(copy, memory_dir=ckpt.parent / "memory")  # pointed at it, it loads
+    assert len(model._memory) == WORLD["numTrainExamples"] + WORLD["numEvalExamples"]
+
+
+def test_parquet_data_is_logged_like_the_same_examples_in_memory(tmp_path, teacher_dir):
+    """spec.data.source: parquet streams its train split (a ParquetSource, not Examples): the memory
+    logs it one row group at a time, the same rows and embeddings as the in-memory examples give."""
+    import numpy as np
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.parquet import write_synthetic
+
+    write_synthetic(SyntheticDataSpec.model_validate(WORLD), tmp_path / "pq", rows_per_group=64)  # 4 groups
+    synthetic = loopfm_task.LoopFMTask(distill_manifest(tmp_path / "a", teacher_dir), device=torch.device("cpu"),
+                                       is_main=True)
+    parquet = distill_manifest(tmp_path / "b", teacher_dir)
+    parquet.spec.data = parquet.spec.data.model_validate({"source": "parquet", "path": str(tmp_path / "pq")})
+    streamed = loopfm_task.LoopFMTask(parquet, device=torch.device("cpu"), is_main=True)
+    want, got = synthetic.memory.index(synthetic.model_version), streamed.memory.index(streamed.model_version)
+    assert len(got) == WORLD["numTrainExamples"] + WORLD["numEvalExamples"]
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.users, want.users)
+    # rows of one user at one second may come in another order: order both by (key, embedding)
+    def rows(index):
+        return index.embeddings[np.lexsort((*index.embeddings.T[::-1], index.keys))]
+
+    assert np.allclose(rows(got), rows(want), atol=1e-6)
+
+
+def test_a_resumed_distillation_keeps_the_teacher_its_checkpoints_were_trained_with(tmp_path, teacher_dir, caplog):
+    """spec.teacher.gemTraining names a GEMTraining still training: a distillation restarted after its
+    first checkpoint must resume against the teacher (and memory) it trained with, not the teacher's
+    newer checkpoint; that teacher pruned away, it is a SpecError, not a silent switch."""
+    import shutil
+
+    from gem.distill.task import DistillTask
+
+    teacher_job = tmp_path / "ckpt" / "local" / "fm"
+    first = teacher_job / "step-00000001"
+    shutil.copytree(teacher_dir, first)
+    (first / "COMPLETE").write_text("{}")
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"gemTraining": "fm"}
+    manifest = parse_object(wire)
+
+    task = loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+    assert task.teacher_dir == first
+    (save_student(task, tmp_path) / "COMPLETE").write_text("{}")  # the job's first checkpoint
+    kd_wire = {**wire, "metadata": {"name": "kd", "namespace": "local"}}
+    kd_wire["spec"] = {**wire["spec"], "distillation": {"method": "kd"}}
+    kd = DistillTask(parse_object(kd_wire), device=torch.device("cpu"))
+    kd_ckpt = tmp_path / "ckpt" / "local" / "kd" / "step-00000001"
+    kd_ckpt.mkdir(parents=True)
+    (kd_ckpt / "gem.yaml").write_text(yaml.safe_dump(kd.manifest.to_wire()))
+    (kd_ckpt / "COMPLETE").write_text("{}")
+
+    newer = teacher_job / "step-00000002"  # the teacher trained on
+    shutil.copytree(first, newer)
+    state = torch.load(newer / "model.pt")
+    torch.save({k: v + 1 if v.is_floating_point() else v for k, v in state.items()}, newer / "model.pt")
+
+    with caplog.at_level(logging.WARNING, logger="gem.distill"):
+        resumed = loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+    assert resumed.teacher_dir == first and resumed.model_version == task.model_version
+    assert "resuming with that one" in caplog.text
+    assert DistillTask(parse_object(kd_wire), device=torch.device("cpu")).teacher_dir == first
+    fresh = parse_object({**wire, "metadata": {"name": "lf-new", "namespace": "local"}})
+    assert loopfm_task.LoopFMTask(fresh, device=torch.device("cpu"), is_main=True).teacher_dir == newer
+
+    shutil.rmtree(first)  # the teacher's keepLast pruned it
+    with pytest.raises(SpecError, match=r"^spec\.teacher\.gemTraining: this job's checkpoints \(step-00000001\) "
+                                        r"were trained with teacher step-00000001-.* which is gone"):
+        loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+
+
+def test_a_restart_with_another_student_shape_is_a_spec_error_naming_the_field(tmp_path, teacher_dir):
+    """spec.student.hiddenDim (or memoryK) changed under a job with checkpoints: the resume could only fail
+    on a state-dict size mismatch (exit 1, every restart); it is a SpecError naming the fields instead."""
+    task = loopfm_task.LoopFMTask(distill_manifest(tmp_path, teacher_dir), device=torch.device("cpu"), is_main=True)
+    (save_student(task, tmp_path) / "COMPLETE").write_text("{}")
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["student"]["hiddenDim"] = 32
+    wire["spec"]["distillation"]["memoryK"] = 8
+    with pytest.raises(SpecError, match=r"^spec\.student\.hiddenDim is 32, was 16; spec\.distillation\.memoryK "
+                                        r"is 8, was 4 when step-00000001 under .* was saved"):
+        loopfm_task.LoopFMTask(parse_object(wire), device=torch.device("cpu"), is_main=True)
+    wire["spec"]["student"]["hiddenDim"], wire["spec"]["distillation"]["memoryK"] = 16, 4
+    wire["spec"]["student"]["maxSeqLen"] = 4  # no weight depends on it: the job resumes
+    loopfm_task.LoopFMTask(parse_object(wire), device=torch.device("cpu"), is_main=True)

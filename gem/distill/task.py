@@ -17,10 +17,35 @@ from torch import nn
 
 from gem.api.types import LoopFMDistill
 from gem.data import Batch
+from gem.data.errors import SpecError
 from gem.distill.student import build_student
-from gem.distill.teacher import load_teacher
+from gem.distill.teacher import load_teacher, resumed_manifest, with_teacher
 from gem.model.loss import masked_bce, task_labels, task_masks
 from gem.train.task import LossFn
+
+
+#: Student fields its weights' shapes depend on: changed under a job that has checkpoints, no resume can load them.
+_SHAPE_FIELDS = (("student", "embeddingDim"), ("student", "hiddenDim"), ("distillation", "method"),
+                 ("distillation", "memoryK"))
+
+
+def check_student_unchanged(manifest: LoopFMDistill) -> None:
+    """A restarted job whose spec.student / distillation changed the student's shape since its checkpoints:
+    a SpecError naming the field (exit 2), not a state-dict mismatch at every restart (exit 1)."""
+    found = resumed_manifest(manifest)
+    if found is None:
+        return
+    saved, latest = found
+    saved_spec, now = saved.get("spec") or {}, manifest.spec.to_wire()
+    changes = []
+    for section, name in _SHAPE_FIELDS:
+        was = (saved_spec.get(section) or {}).get(name)
+        if was is not None and was != now[section].get(name):
+            changes.append(f"spec.{section}.{name} is {now[section].get(name)}, was {was}")
+    if changes:
+        raise SpecError(f"{'; '.join(changes)} when {latest.name} under {latest.parent} was saved: a restarted "
+                        "distillation resumes its student from there, which needs the same shape. Set them back, "
+                        f"or start from scratch under another metadata.name (or move {latest.parent} away)")
 
 
 class DistillTask:
@@ -36,8 +61,10 @@ class DistillTask:
         spec = manifest.spec
         if spec.distillation.method != "kd":
             raise ValueError(f"DistillTask is plain KD, not distillation.method {spec.distillation.method!r}")
-        self.manifest = manifest
-        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
+        check_student_unchanged(manifest)
+        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace,
+                                                                             job_manifest=manifest)
+        self.manifest = with_teacher(manifest, self.teacher_dir)  # the trainer saves this one
         self.teacher.to(device)
         # Batches carry the longer of the two histories; the student keeps its own most recent events.
         self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)

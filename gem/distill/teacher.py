@@ -8,18 +8,26 @@ named in one of three ways:
   teacher.mlflowModelUri:  MLflow artifacts (e.g. runs:/<id>/checkpoint, models:/gem/3),
                            downloaded and loaded the same way
 
-A teacher that is not there, or is not a GEM model, is a SpecError naming spec.teacher.<field>:
-`gem distill` reports it as a config error (exit 2).
+A resumed distillation keeps the teacher its checkpoints record (TEACHER_ANNOTATION in their gem.yaml),
+even when spec.teacher now resolves to another checkpoint (a GEMTraining still training, a registered
+model's newer version); that teacher gone, it is a SpecError.
+
+A teacher that is not there, is not a GEM model, or does not load (a corrupt or truncated
+model.pt, weights of another model config than its gem.yaml) is a SpecError naming
+spec.teacher.<field>: `gem distill` reports it as a config error (exit 2).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from torch import nn
 
 from gem.api.types import LoopFMDistillSpec
@@ -48,6 +56,13 @@ def _download(uri: str, tracking_uri: str | None) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst))
 
 
+def teacher_field(spec: LoopFMDistillSpec) -> str:
+    """The spec field that names the teacher (for messages)."""
+    teacher = spec.teacher
+    name = "checkpoint" if teacher.checkpoint else "gemTraining" if teacher.gem_training else "mlflowModelUri"
+    return f"spec.teacher.{name}"
+
+
 def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
     teacher = spec.teacher
     if teacher.checkpoint:
@@ -67,14 +82,112 @@ def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
                           "point it at the artifacts of a GEM checkpoint (e.g. runs:/<id>/checkpoint)")
 
 
-def load_teacher(spec: LoopFMDistillSpec, namespace: str) -> tuple[nn.Module, Any, Path]:
-    """(frozen teacher in eval mode, its GEMTraining manifest, its checkpoint dir)."""
+#: Where a distillation's checkpoints (gem.yaml) record the teacher they were trained with, as JSON
+#: {"checkpoint": its directory, "version": gem.loopfm.logging.model_version_of(it)}.
+TEACHER_ANNOTATION = "distill.gem.dev/teacher"
+
+
+def with_teacher(manifest: Any, teacher_dir: Path) -> Any:
+    """A copy of the manifest recording its teacher (what the trainer saves as each checkpoint's gem.yaml)."""
+    from gem.loopfm.logging import model_version_of
+
+    recorded = manifest.model_copy(deep=True)
+    recorded.metadata.annotations[TEACHER_ANNOTATION] = json.dumps(
+        {"checkpoint": str(teacher_dir), "version": model_version_of(teacher_dir)})
+    return recorded
+
+
+def resumed_manifest(job_manifest: Any) -> tuple[dict[str, Any], Path] | None:
+    """(gem.yaml of the complete checkpoint a restarted job resumes from, that checkpoint), None on a
+    fresh start: no checkpoint, no readable gem.yaml (the trainer decides), or an earlier resource's."""
+    meta = job_manifest.metadata
+    job = checkpoint.job_dir_of(job_manifest.spec.checkpoint.path, meta.namespace, meta.name)
+    latest = checkpoint.latest_complete(job)
+    if latest is None:
+        return None
+    try:
+        saved = checkpoint.read_manifest(latest)
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    saved_uid = (saved.get("metadata") or {}).get("uid")
+    if meta.uid and saved_uid and saved_uid != meta.uid:
+        return None  # an earlier resource of this name: the trainer sets its checkpoints aside, a fresh start
+    return saved, latest
+
+
+def _recorded_teacher(job_manifest: Any) -> tuple[dict[str, str], Path] | None:
+    """(the teacher the job's latest complete checkpoint records, that checkpoint), None on a fresh start."""
+    found = resumed_manifest(job_manifest)
+    if found is None:
+        return None
+    saved, latest = found
+    try:
+        recorded = json.loads(((saved.get("metadata") or {}).get("annotations") or {})[TEACHER_ANNOTATION])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None  # saved before the record was kept
+    return (recorded, latest) if isinstance(recorded, dict) else None
+
+
+def _teacher_of_resumed_job(spec: LoopFMDistillSpec, job_manifest: Any, path: Path) -> Path:
+    """The teacher a resumed distillation must keep: the one its checkpoints were trained with, even when
+    spec.teacher now resolves to another (a GEMTraining still training, models:/<name>/latest moved on)."""
+    from gem.loopfm.logging import model_version_of
+
+    found = _recorded_teacher(job_manifest)
+    if found is None:
+        return path
+    recorded, latest = found
+    version = model_version_of(path)
+    if recorded.get("version") == version:
+        return path
+    field = teacher_field(spec)
+    old = Path(recorded.get("checkpoint") or "")
+    if (old / checkpoint.MODEL_FILE).is_file() and model_version_of(old) == recorded.get("version"):
+        log.warning("%s now names teacher %s (%s), but this job's checkpoints (%s) were trained with %s: "
+                    "resuming with that one (start a new job to distil the new teacher)",
+                    field, version, path, latest.name, old)
+        return old
+    job = latest.parent
+    raise SpecError(
+        f"{field}: this job's checkpoints ({latest.name}) were trained with teacher {recorded.get('version')} "
+        f"({old}), which is gone; {field} now names {version} ({path}). A resumed distillation keeps its "
+        f"teacher: restore that checkpoint, or distil the new teacher from scratch under another metadata.name "
+        f"(or move {job} away)")
+
+
+def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any = None) -> tuple[nn.Module, Any, Path]:
+    """(frozen teacher in eval mode, its GEMTraining manifest, its checkpoint dir).
+
+    job_manifest: the distillation's manifest; when its job already has checkpoints (a restart), the
+    teacher they record (TEACHER_ANNOTATION) is kept, so a resume trains on against the same teacher.
+    """
     path = resolve_teacher(spec, namespace)
-    kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
-    if kind is not None and kind != "GEMTraining":
+    if job_manifest is not None:
+        path = _teacher_of_resumed_job(spec, job_manifest, path)
+    field = teacher_field(spec)
+    try:
+        kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
+    except yaml.YAMLError as e:
+        raise SpecError(f"{field}: {path / checkpoint.MANIFEST_FILE} is not YAML ({type(e).__name__}): "
+                        "name a complete GEMTraining checkpoint as the teacher") from e
+    if kind is None:
+        raise SpecError(f"{field}: checkpoint {path} has no readable {checkpoint.MANIFEST_FILE} manifest: it is "
+                        "incomplete or not a GEM checkpoint; name a complete GEMTraining checkpoint as the teacher")
+    if kind != "GEMTraining":
         raise SpecError(f"spec.teacher: checkpoint {path} holds a {kind} student, not a GEM model: "
                         "name a GEMTraining's checkpoint as the teacher")
-    model, manifest = checkpoint.load_model(path)
+    try:
+        model, manifest = checkpoint.load_model(path)
+    except (OSError, yaml.YAMLError, ValueError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        # model.pt truncated or corrupt (UnpicklingError, EOFError, RuntimeError from the zip reader), or the
+        # weights of another model than gem.yaml describes (RuntimeError from load_state_dict): the spec names
+        # a teacher that cannot be used, a config error (exit 2) that no restart fixes
+        first = " ".join(str(e).split())[:300]  # load_state_dict's first line names no key
+        raise SpecError(f"{field}: teacher checkpoint {path} does not load ({type(e).__name__}: {first}): it is "
+                        "corrupt, incomplete, or its model.pt is not the model its gem.yaml describes; name a "
+                        "complete GEMTraining checkpoint as the teacher") from e
     for p in model.parameters():
         p.requires_grad_(False)
     log.info("teacher: %s (preset %s)", path, manifest.spec.model.preset)

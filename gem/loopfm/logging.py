@@ -22,6 +22,7 @@ Two user representations (`kind`):
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -127,12 +128,24 @@ def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LO
     return np.concatenate(embs), ({k: np.concatenate(v) for k, v in out_logits.items()} if logits else {})
 
 
+def _in_memory_chunks(streams: list) -> Iterator[Examples]:
+    """Each stream as in-memory Examples: a streamed Parquet train split (gem.data.parquet.ParquetSource,
+    what spec.data.source: parquet trains from) one row group at a time."""
+    for stream in streams:
+        if isinstance(stream, Examples):
+            yield stream
+        else:
+            for g in range(len(stream.groups)):
+                yield stream.read_group(g)
+
+
 def log_stream(model: nn.Module, streams: list[Examples], memory: EmbeddingMemory, model_version: str,
                *, shard_rows: int = 8192, kind: str = "tokens") -> int:
     """Run the FM over the impressions of `streams` in request-time order and append one row per impression
-    (its `kind` user representation, see above)."""
+    (its `kind` user representation, see above). A stream is Examples or a ParquetSource (read a row group
+    at a time, each group's rows in request-time order: the index sorts all rows by time anyway)."""
     rows = 0
-    for examples in streams:
+    for examples in _in_memory_chunks(streams):
         emb, _ = embed_examples(model, examples, kind=kind, logits=False)
         order = np.argsort(examples.request_time, kind="stable")
         for lo in range(0, len(order), shard_rows):  # time-ordered shards, as a live logger would write

@@ -202,8 +202,10 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
                         *, map_location: str | torch.device = "cpu") -> tuple[LoopFMStudent, object]:
     """Rebuild a LoopFM student from its checkpoint (gem.yaml + model.pt) and attach its memory.
 
-    memory_dir defaults to the `memory/` directory next to the checkpoint (the job directory's). The
-    memory version is the one the student was trained with (recorded in its gem.yaml by the task).
+    memory_dir defaults to the `memory/` directory next to the checkpoint (the job directory's); a
+    memory_dir that does not exist is a FileNotFoundError (a student without its memory would silently
+    read zeros). The memory version is the one the student was trained with (recorded in its gem.yaml
+    by the task).
     """
     from gem.api import parse_object
     from gem.train.checkpoint import MODEL_FILE, read_manifest
@@ -217,8 +219,14 @@ def load_loopfm_student(ckpt: str | Path, memory_dir: str | Path | None = None,
     model = LoopFMStudent.from_spec(manifest.spec.student, manifest.spec.distillation, memory_dim, **reader)
     model.load_state_dict(state)
     memory_dir = Path(memory_dir) if memory_dir else ckpt.parent / "memory"
-    if memory_dir.is_dir():
-        model.attach_memory(_trained_memory(memory_dir, manifest, memory_dim, ckpt))
+    if not memory_dir.is_dir():
+        # Without its memory the student reads zeros for every user: predictions that look fine and are
+        # not the model that was trained (a checkpoint copied out of its job dir, MLflow's checkpoint/).
+        raise FileNotFoundError(
+            f"{ckpt} is a LoopFM student and its memory {memory_dir} is not there: a LoopFM student reads "
+            "the job's embedding memory (<checkpoint.path>/<namespace>/<name>/memory/, beside its step "
+            "directories); load the checkpoint from its job directory, or pass memory_dir=")
+    model.attach_memory(_trained_memory(memory_dir, manifest, memory_dim, ckpt))
     return model.eval(), manifest
 
 

@@ -32,13 +32,15 @@ from torch import nn
 
 from gem.api.types import DataSpec, LoopFMDistill
 from gem.data import Batch
-from gem.distill.teacher import load_teacher
+from gem.data.errors import SpecError
+from gem.distill.task import check_student_unchanged
+from gem.distill.teacher import load_teacher, with_teacher
 from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, log_stream, logged_version
 from gem.loopfm.memory import EmbeddingMemory
 from gem.loopfm.student import LoopFMStudent
 from gem.model.loss import masked_bce, task_labels, task_masks
 from gem.train import checkpoint
-from gem.train.dist import barrier
+from gem.train.dist import failures_by_rank
 from gem.train.task import LossFn, load_splits
 
 log = logging.getLogger("gem.distill")
@@ -99,12 +101,30 @@ def _log_memory(teacher: nn.Module, memory: EmbeddingMemory, version: str, data:
 
 def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill, *, is_main: bool = True
                  ) -> tuple[EmbeddingMemory, str]:
-    """The job's memory with this teacher's embeddings logged (rank 0 writes, everyone waits)."""
+    """The job's memory with this teacher's embeddings logged (rank 0 writes, everyone waits). Collective:
+    rank 0's failure is raised on every rank, and a rank that cannot see the logged memory is a SpecError."""
     memory = EmbeddingMemory(memory_dir_of(manifest))
     version = logged_version(teacher_dir, LOGGED_KIND)
+    error: Exception | None = None
     if is_main:
-        _log_memory(teacher, memory, version, manifest.spec.data)
-    barrier()
+        try:
+            _log_memory(teacher, memory, version, manifest.spec.data)
+        except Exception as e:  # noqa: BLE001 - gathered (in place of a barrier), then raised on every rank
+            error = e
+    # A rank 0 that fails here must not leave the others in a barrier it never reaches (NCCL: until the
+    # 30-minute timeout): every rank raises its error, a SpecError as a SpecError (exit 2).
+    failed = failures_by_rank(None if error is None else (isinstance(error, SpecError), str(error)))
+    if error is not None:
+        raise error
+    for rank, (is_spec, message) in failed.items():
+        raise SpecError(message) if is_spec else RuntimeError(f"rank {rank} failed to log the LoopFM memory: {message}")
+    # A node that does not see rank 0's memory would train on zeros for every user, silently.
+    unseen = failures_by_rank(not logged_completely(memory, version, data_spec_hash(manifest.spec.data)))
+    if unseen:
+        raise SpecError(
+            f"spec.checkpoint.claimName: rank(s) {', '.join(map(str, unseen))} cannot see the LoopFM memory rank 0 "
+            f"logged under {memory.root}: every node reads the job's memory from the checkpoint volume, which must "
+            "be shared by all pods (set spec.checkpoint.claimName to a ReadWriteMany claim)")
     return memory, version
 
 
@@ -123,9 +143,12 @@ class LoopFMTask:
             is_main = not td.is_initialized() or td.get_rank() == 0
         spec = manifest.spec
         self.device = device
-        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace)
+        check_student_unchanged(manifest)  # before the (slow) memory log
+        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace,
+                                                                             job_manifest=manifest)
         self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
-        self.manifest = with_memory_version(manifest, self.model_version)  # the trainer saves this one
+        # the trainer saves this one: a reloaded student reads its memory version, a resumed run keeps its teacher
+        self.manifest = with_memory_version(with_teacher(manifest, self.teacher_dir), self.model_version)
         self.teacher.to(device)
         self.memory_dim = UserRepresentation(self.teacher, LOGGED_KIND).dim
         self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)
