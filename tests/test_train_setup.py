@@ -211,6 +211,18 @@ def test_a_zero_stage_changed_since_the_checkpoints_is_a_config_error_naming_it(
     assert "step-00000002" in error and "Set them back, or start from scratch" in error
 
 
+def test_a_model_shape_changed_since_the_checkpoints_is_a_config_error_naming_it(tmp_path, capsys):
+    """Weights of another shape never load (a state-dict size mismatch): a restart loop at exit 1 unless
+    the run names the spec.model field that changed and the fix."""
+    os.environ["GEM_FAULT_AT_STEP"] = "2"
+    assert cli.main(["train", "--config", str(manifest(tmp_path, "reshaped", model={"embeddingDim": 32}))]) == 1
+    del os.environ["GEM_FAULT_AT_STEP"]
+    path = manifest(tmp_path, "reshaped", model={"embeddingDim": 48})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.model.embeddingDim is 48, was 32")
+    error = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert "step-00000002" in error and "Set them back, or start from scratch" in error
+
+
 def test_the_start_line_counts_the_whole_model_under_zero3(tmp_path, caplog):
     """ZeRO-3 leaves each rank's parameters empty (numel 0) once DeepSpeed partitions them."""
     from gem.api import parse_object
@@ -271,6 +283,9 @@ def test_setup_changes_name_what_deepspeeds_files_depend_on(tmp_path):
     ckpt0 = _saved_checkpoint(tmp_path / "z0", zero0.to_wire(), ranks=2)
     assert checkpoint.setup_changes(ckpt0, zero0, world_size=1) == []
     assert checkpoint.setup_changes(tmp_path / "no-such-dir", zero0, world_size=1) == []
+    # the weights' shape: GEMTraining's spec.model (an override set or unset counts too)
+    wider = _spec(parallelism={"zeroStage": 0}, model={"preset": "tiny", "numLayers": 3})
+    assert checkpoint.setup_changes(ckpt0, wider, world_size=2) == ["spec.model.numLayers is 3, was unset"]
 
 
 def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path, monkeypatch):

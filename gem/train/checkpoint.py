@@ -477,9 +477,14 @@ def unreadable(env: DistEnv, ckpt: Path) -> str | None:
     return next(iter(failures_by_rank(problem).values()), None)
 
 
+def _or_unset(value: Any) -> Any:
+    return "unset" if value is None else value
+
+
 def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     """What DeepSpeed's files depend on that differs between the run that saved `ckpt` and this one
-    (`spec`: the GEMTraining / LoopFMDistill spec): ZeRO stage, precision, parallel plan, world size.
+    (`spec`: the GEMTraining / LoopFMDistill spec): ZeRO stage, precision, parallel plan, world size,
+    and the model's shape (spec.model / spec.student).
 
     ["spec.parallelism.zeroStage is 3, was 1", ...]; [] when nothing differs or `ckpt` has no readable gem.yaml.
     """
@@ -499,6 +504,14 @@ def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     if was_par and was_par.get("plan") != now_par.get("plan"):
         changes.append(f"spec.parallelism.plan is {now_par.get('plan') or 'automatic'}, "
                        f"was {was_par.get('plan') or 'automatic'}")
+    # the weights' shapes: a GEMTraining's spec.model, a distillation's spec.student
+    for section in ("model", "student"):
+        was_m, now_m = saved.get(section), now.get(section)
+        if isinstance(was_m, dict) and isinstance(now_m, dict):
+            for key in sorted(set(was_m) | set(now_m)):
+                if was_m.get(key) != now_m.get(key):
+                    changes.append(f"spec.{section}.{key} is {_or_unset(now_m.get(key))}, "
+                                   f"was {_or_unset(was_m.get(key))}")
     ranks = len(list((ckpt / "rng").glob("rank-*.pt")))  # every rank saves its RNG state
     # ZeRO-0 resumes on any world size; ZeRO partitions and ep / sparse_shard shards do not
     if ranks and ranks != world_size and (now_par.get("zeroStage") or (ckpt / SHARDS_DIR).is_dir()):

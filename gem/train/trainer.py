@@ -152,7 +152,7 @@ class Trainer:
                 first_line = (first_error.splitlines() or [""])[0][:300]  # a state-dict mismatch lists every key
                 raise SpecError(f"{'; '.join(changes)} when {candidates[0].name} was saved: DeepSpeed resumes its "
                                 "optimizer partitions only with the ZeRO stage, precision, parallel plan and world "
-                                "size that wrote them. Set them back, or start from scratch under another "
+                                "size that wrote them, and its weights only into a model of their shape. Set them back, or start from scratch under another "
                                 f"metadata.name (or move {self.job_dir} away). ({failed}{candidates[0].name}: "
                                 f"{first_line})")
             raise RuntimeError(f"{failed}{candidates[0].name}: {first_error}")
