@@ -5,13 +5,9 @@ from pathlib import Path
 import yaml
 
 from gem.api import parse_object
+from gem.train.tracking import registered_model_name
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def registered_name(manifest):
-    mlflow = manifest.spec.mlflow  # gem.train.tracking.Tracker.register_model: the name, else the experiment
-    return mlflow.registered_model_name or mlflow.experiment
 
 
 def test_the_example_student_does_not_register_as_a_version_of_its_teacher():
@@ -22,4 +18,4 @@ def test_the_example_student_does_not_register_as_a_version_of_its_teacher():
     student = parse_object(yaml.safe_load((EXAMPLES / "loopfm-distill.yaml").read_text()))
     assert student.spec.teacher.gem_training == teacher.metadata.name
     assert teacher.spec.mlflow.register_model and student.spec.mlflow.register_model
-    assert registered_name(student) != registered_name(teacher)
+    assert registered_model_name(student) != registered_model_name(teacher)

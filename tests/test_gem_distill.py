@@ -66,12 +66,21 @@ def test_distill_from_a_gemtraining_and_from_mlflow(tmp_path, monkeypatch):
 
     # 2. By MLflow URI: the teacher run's checkpoint/ artifacts, downloaded and loaded the same way.
     model_uri = f"runs:/{teacher_report['mlflowRunId']}/checkpoint"
+    # In the teacher's experiment, with no registeredModelName: the student registers under its own
+    # name, never as a new version of the teacher's model (models:/teachers/latest stays the teacher).
     path = distill_manifest(tmp_path, "student-mlflow", {"mlflowModelUri": model_uri},
-                            mlflow={"enabled": True, "trackingUri": uri, "experiment": "students"})
+                            mlflow={"enabled": True, "trackingUri": uri, "experiment": "teachers"})
     assert cli.main(["distill", "--config", str(path)]) == 0
     report2 = json.loads((tmp_path / "termination-log").read_text())
     assert report2["metrics"]["teacher_ne/click"] == pytest.approx(m["teacher_ne/click"], abs=1e-6)
     assert report2["mlflowRunId"] and report2["mlflowRunId"] != teacher_report["mlflowRunId"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    [teacher_version] = client.search_model_versions("name='teachers'")
+    assert teacher_version.run_id == teacher_report["mlflowRunId"] and teacher_version.tags["gem.dev/kind"] == "GEMTraining"
+    [student_version] = client.search_model_versions("name='student-mlflow'")
+    assert student_version.run_id == report2["mlflowRunId"] and student_version.tags["gem.dev/kind"] == "LoopFMDistill"
 
 
 def test_distill_without_a_teacher_checkpoint_is_a_config_error(tmp_path, capsys):

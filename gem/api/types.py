@@ -360,7 +360,8 @@ class MLflowSpec(ApiModel):
     )
     register_model: bool = Field(True, description="Register the final model in the MLflow model registry.")
     registered_model_name: str | None = Field(
-        None, min_length=1, description="Registered model name; empty means the experiment name."
+        None, min_length=1, description="Registered model name; empty means the experiment name (GEMTraining) or "
+        "metadata.name (LoopFMDistill, so a student never becomes a version of its teacher's model)."
     )
 
     @model_validator(mode="after")

@@ -115,6 +115,16 @@ def job_uid(manifest: Any) -> str:
     return meta.uid or f"local-{meta.namespace or 'local'}-{meta.name}"
 
 
+def registered_model_name(manifest: Any) -> str:
+    """spec.mlflow.registeredModelName, else the experiment for a GEMTraining and metadata.name for a
+    LoopFMDistill: a student sharing its teacher's experiment must not become the newest version of
+    the teacher's registered model (models:/<name>/latest, which a later distillation would refuse)."""
+    mlflow_spec = manifest.spec.mlflow
+    if mlflow_spec.registered_model_name:
+        return mlflow_spec.registered_model_name
+    return mlflow_spec.experiment if manifest.kind == "GEMTraining" else manifest.metadata.name
+
+
 class Tracker:
     """No-op unless enabled; call every method on all ranks, it only acts on rank 0."""
 
@@ -239,13 +249,13 @@ class Tracker:
     def register_model(self) -> str | None:
         """Register runs:/<run>/checkpoint in the model registry; returns "name/version" or None.
 
-        spec.mlflow.registerModel turns it off; the name is spec.mlflow.registeredModelName, else the
-        experiment name. Stores without a registry (file stores) only warn.
+        spec.mlflow.registerModel turns it off; the name is `registered_model_name`. Stores without a
+        registry only warn.
         """
         mlflow_spec = self.manifest.spec.mlflow
         if not self.active or not self.run_id or not mlflow_spec.register_model:
             return None
-        name = mlflow_spec.registered_model_name or mlflow_spec.experiment
+        name = registered_model_name(self.manifest)
         try:
             from mlflow.exceptions import MlflowException
 
@@ -256,7 +266,8 @@ class Tracker:
                     raise
             source = f"{self._client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/checkpoint"
             mv = self._client.create_model_version(name, source=source, run_id=self.run_id,
-                                                   tags={"gem.dev/uid": job_uid(self.manifest)})
+                                                   tags={"gem.dev/uid": job_uid(self.manifest),
+                                                         "gem.dev/kind": self.manifest.kind})
             self._client.set_tag(self.run_id, "gem.dev/registeredModel", f"{name}/{mv.version}")
             log.info("mlflow: registered model %s version %s (%s)", name, mv.version, source)
             return f"{name}/{mv.version}"
