@@ -144,6 +144,23 @@ def test_ring_bytes_per_level_small_case():
     assert level_totals(per) == pytest.approx({"node": 3 * s, "cluster": 3 * s})
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_context_parallel_ranks_reduce_their_gradients(zero_stage):
+    """cp ranks see different sequences, so their gradients are reduced like any data rank's (DeepSpeed's
+    data group, torchtitan's dp_shard_cp): 8 cp ranks move the gradient bytes of 8 dp_shard ranks. The
+    model counted none for them."""
+    topo = Topology.build(procs_per_node=8, num_nodes=1)
+    work = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
+    by_cp = step_bytes(ParallelPlan(world_size=8, dp_shard=1, cp=8, sparse_shard=1, zero_stage=zero_stage), topo, work)
+    by_shard = step_bytes(ParallelPlan(world_size=8, dp_shard=8, sparse_shard=1, zero_stage=zero_stage), topo, work)
+    assert by_cp == by_shard and level_totals(by_cp)["node"] > 0
+    # HSDP with cp: the replicas all-reduce the 1/(dp_shard x cp) shard
+    topo = Topology.build(procs_per_node=4, num_nodes=2)
+    per = step_bytes(ParallelPlan(world_size=8, dp_replicate=2, dp_shard=2, cp=2, zero_stage=3), topo, work)
+    # 4 groups x 2 ranks x (n-1)/n x 2 (all-reduce) x the shard: 2000 bf16 bytes / 4
+    assert per["dp_replicate/all_reduce_grads"] == pytest.approx({"cluster": 4 * 2 * 0.5 * 2 * (2 * 1000 / 4)})
+
+
 def test_topology_aware_plan_moves_fewer_cross_block_bytes():
     topo = Topology.simulated(num_gpus=256, gpus_per_node=8, nodes_per_level=[("block", 8)])
     aware = ParallelPlan(world_size=256, dp_replicate=4, dp_shard=32, ep=2, tp=2, zero_stage=3)

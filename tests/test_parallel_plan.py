@@ -392,3 +392,51 @@ def test_job_planning_applies_the_precision_rule_itself(precision):
     # outside the DeepSpeed path (allowed=DIMS) the rule is not this module's to apply
     plan_for_job(ParallelismSpec(num_nodes=1, procs_per_node=4, zero_stage=2, plan={"ep": 2}),
                  TrainingSpec(precision=precision), world_size=4, procs_per_node=4, hints=hints, env={})
+
+
+@pytest.mark.parametrize("fixed, hints, expect", [
+    # ep must divide the dp_shard the given dp_replicate leaves (16 / 4 = 4), not just the data ranks
+    ({"dp_replicate": 4}, ModelShapeHints(num_experts=8), dict(dp_replicate=4, dp_shard=4, ep=4)),
+    # tp and cp must fit in the ranks the given data degrees leave (16 / 16 = 1, 16 / 8 = 2)
+    ({"dp_shard": 16}, ModelShapeHints(hidden_dim=16384), dict(dp_shard=16, tp=1)),
+    ({"dp_shard": 16}, ModelShapeHints(max_seq_len=40000), dict(dp_shard=16, cp=1)),
+    ({"dp_replicate": 8}, ModelShapeHints(max_seq_len=40000), dict(dp_replicate=8, cp=2)),
+    ({"cp": 8}, ModelShapeHints(hidden_dim=16384), dict(cp=8, tp=2)),
+])
+def test_auto_plan_chooses_the_free_degrees_around_the_given_ones(fixed, hints, expect):
+    """docs §3: the degrees given are kept and the others chosen around them: a feasible spec must not
+    fail because an automatic choice ignored a given degree."""
+    plan, why = auto_plan(16, sim(16, 8, [("block", 2)]), hints, fixed=fixed)
+    assert {k: getattr(plan, k) for k in expect} == expect, why
+
+
+@pytest.mark.parametrize("tp", [3, 16])
+def test_auto_plan_names_a_given_tp_that_cannot_divide_the_world(tp):
+    """A given tp that leaves no room for cp raised a bare `max() arg is an empty sequence`."""
+    with pytest.raises(PlanError, match=rf"tp\({tp}\)") as e:
+        auto_plan(8, sim(8, 8, []), ModelShapeHints(max_seq_len=40000), fixed={"tp": tp})
+    assert e.value.world_size == 8
+
+
+def test_trainer_plans_on_the_nodes_it_runs_on_not_the_spec_s_procs_per_node():
+    """Same world, other node shape (the spec says 1 x 8, torchrun runs 2 x 4): tp must stay in the
+    real 4-rank node. The spec's procsPerNode sized the node, so tp=8 crossed the two nodes."""
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import plan_for_job
+
+    hints = ModelShapeHints(hidden_dim=16384)
+    job = plan_for_job(ParallelismSpec(num_nodes=1, procs_per_node=8), TrainingSpec(), world_size=8,
+                       procs_per_node=4, hints=hints, env={})
+    assert (job.topology.node.size, job.plan.tp) == (4, 4)
+    with pytest.raises(PlanError, match="tp=8 does not fit") as e:
+        plan_for_job(ParallelismSpec(num_nodes=1, procs_per_node=8, plan={"tp": 8}), TrainingSpec(), world_size=8,
+                     procs_per_node=4, hints=hints, env={})
+    assert e.value.level == "node"
+
+
+def test_auto_plan_ep_in_a_node_means_its_groups_divide_the_node():
+    """6 ranks per node, 4 experts: an ep=4 group (ranks 4-7) straddles two nodes; "fits in a node"
+    (docs §3) needs the group to divide the node, so ep=2 keeps every expert group on NVLink."""
+    plan, why = auto_plan(24, sim(24, 6, [("block", 2)]), ModelShapeHints(num_experts=4))
+    assert plan.ep == 2 and "inside one node" in why
+    assert all(g[0] // 6 == g[-1] // 6 for g in plan.group_ranks("ep"))

@@ -11,8 +11,9 @@ Model (deliberately simple, stated so it can be checked):
     (identity under Kueue TAS; a shuffle for a topology-blind scheduler).
 What is moved per step comes from `Workload` (bf16 everywhere):
   dp_shard     ZeRO-3: all-gather params in forward and again in backward, reduce-scatter grads
-               (ZeRO-1/2: one reduce-scatter of grads + one all-gather of updated params)
-  dp_replicate all-reduce of the 1/dp_shard gradient shard (HSDP)
+               (ZeRO-1/2: one reduce-scatter of grads + one all-gather of updated params), over
+               dp_shard x cp: cp ranks see different sequences, so they are data ranks too
+  dp_replicate all-reduce of the 1/(dp_shard x cp) gradient shard (HSDP)
   tp           one all-reduce of activations per MLP in forward and one in backward (Megatron)
   ep           all-gather of expert inputs + reduce-scatter of outputs, forward and backward
   cp           all-gather of keys/values per sequence layer forward, reduce-scatter of their grads
@@ -108,8 +109,6 @@ def layout_groups(plan: ParallelPlan, axis_order: Sequence[str] = MESH_AXES) -> 
     MESH_AXES is the topology-aware order; any other order is how a topology-blind launcher might
     number the same degrees.
     """
-    if list(axis_order) == list(MESH_AXES):
-        return {name: plan.group_ranks(name) for name in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "sparse")}
     sizes = dict(zip(MESH_AXES, plan.mesh_shape))
     shape = [sizes[a] for a in axis_order]
     strides = {a: math.prod(shape[i + 1:]) for i, a in enumerate(axis_order)}
@@ -123,6 +122,11 @@ def layout_groups(plan: ParallelPlan, axis_order: Sequence[str] = MESH_AXES) -> 
                         for var in itertools.product(*(range(sizes[a]) for a in axes))])
         return out
 
+    # ZeRO's group: dp_shard and the cp ranks (different sequences, so their gradients are reduced too)
+    zero = groups_over(["dp_shard_mod_ep", "ep", "cp"])
+    if list(axis_order) == list(MESH_AXES):
+        return {**{name: plan.group_ranks(name) for name in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "sparse")},
+                "dp_shard_cp": zero}
     data_axes = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp")
     sparse = []
     for data_group in groups_over(data_axes):  # one per tp index, in canonical data order
@@ -130,7 +134,7 @@ def layout_groups(plan: ParallelPlan, axis_order: Sequence[str] = MESH_AXES) -> 
         sparse += [data_group[i:i + s] for i in range(0, len(data_group), s)]
     return {"tp": groups_over(["tp"]), "cp": groups_over(["cp"]), "ep": groups_over(["ep"]),
             "dp_shard": groups_over(["dp_shard_mod_ep", "ep"]), "dp_replicate": groups_over(["dp_replicate"]),
-            "sparse": sparse}
+            "sparse": sparse, "dp_shard_cp": zero}
 
 
 def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
@@ -141,15 +145,16 @@ def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
     dense_local = work.dense_params * (1 - work.tp_fraction + work.tp_fraction / plan.tp) * BYTES
     experts_local = work.num_experts * work.expert_params / plan.ep * BYTES
     shardable = dense_local + experts_local
+    zero = groups["dp_shard_cp"]  # cp ranks are data ranks: ZeRO shards over dp_shard x cp (torchtitan's dp_shard_cp)
     if plan.zero_stage == 3:
-        c.ring("dp_shard/all_gather_params", groups["dp_shard"], shardable, times=2)  # forward + backward
-        c.ring("dp_shard/reduce_scatter_grads", groups["dp_shard"], shardable)
+        c.ring("dp_shard/all_gather_params", zero, shardable, times=2)  # forward + backward
+        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
     elif plan.zero_stage in (1, 2):
-        c.ring("dp_shard/reduce_scatter_grads", groups["dp_shard"], shardable)
-        c.ring("dp_shard/all_gather_params", groups["dp_shard"], shardable)
+        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
+        c.ring("dp_shard/all_gather_params", zero, shardable)
     else:
-        c.ring("dp_shard/all_reduce_grads", groups["dp_shard"], shardable, times=2)
-    c.ring("dp_replicate/all_reduce_grads", groups["dp_replicate"], shardable / max(plan.dp_shard, 1), times=2)
+        c.ring("dp_shard/all_reduce_grads", zero, shardable, times=2)
+    c.ring("dp_replicate/all_reduce_grads", groups["dp_replicate"], shardable / (plan.dp_shard * plan.cp), times=2)
     # activations of the examples one rank computes on (cp ranks share examples)
     examples = work.examples_per_rank
     act = examples * work.interaction_tokens * work.d_model * BYTES

@@ -166,7 +166,9 @@ def topology_for_job(parallelism, *, world_size: int, procs_per_node: int,
     raw = env.get(ENV_TOPOLOGY)
     info = json.loads(raw) if raw else {}
     mode = PlacementMode(info.get("placement", "none"))
-    if world_size != spec_world or world_size % procs_per_node:
+    # The real node shape too: with the spec's procsPerNode a same-size world on other nodes (torchrun by
+    # hand) would let tp groups span nodes.
+    if world_size != spec_world or procs_per_node != parallelism.procs_per_node or world_size % procs_per_node:
         if parallelism.topology.levels:
             notes.append(f"running {world_size} processes ({procs_per_node} per node), not the spec's "
                          f"{parallelism.num_nodes} x {parallelism.procs_per_node}: topology levels are ignored")

@@ -422,6 +422,12 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         raise ValueError(f"unknown parallel degrees {unknown}; known: {', '.join(sorted(DIMS))}")
     node, block = topology.node.size, topology.block.size
     why: list[str] = []
+    shard_given = fixed.get("dp_shard", -1)
+    replicate_given = fixed.get("dp_replicate", -1)
+    # The ranks the given data degrees leave for tp x cp: the free degrees are chosen inside them, so
+    # a feasible spec is not refused because an automatic choice ignored a given degree.
+    fixed_dp = max(shard_given, 1) * max(replicate_given, 1)
+    room = world_size // fixed_dp if world_size % fixed_dp == 0 else world_size  # else the plan names it
 
     # tp: per-layer all-reduces of activations -> only NVLink, only for wide matrices.
     tp = fixed.get("tp", 1)
@@ -430,7 +436,8 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
     elif hints.hidden_dim and "tp" in allowed:
         for cand in _divisors(node):
             if hints.hidden_dim % cand == 0 and hints.hidden_dim // cand >= TP_MIN_SHARD_WIDTH \
-                    and (not hints.hidden_units or hints.hidden_units % cand == 0):  # heads stay whole
+                    and (not hints.hidden_units or hints.hidden_units % cand == 0) \
+                    and room % (cand * fixed.get("cp", 1)) == 0:  # heads stay whole; fits the given degrees
                 tp = cand
     units = f", {hints.hidden_units} heads" if hints.hidden_units else ""
     if "tp" not in fixed:
@@ -446,8 +453,9 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         why.append(f"cp={cp}: {given}")
     elif hints.max_seq_len > CP_MAX_TOKENS_PER_RANK and "cp" in allowed:
         need = math.ceil(hints.max_seq_len / CP_MAX_TOKENS_PER_RANK)
-        fits = [d for d in _divisors(block // tp) if d >= need and world_size % (d * tp) == 0]
-        cp = min(fits) if fits else max(d for d in _divisors(block // tp) if world_size % (d * tp) == 0)
+        options = [d for d in _divisors(block // tp) if room % (d * tp) == 0]  # none: a given tp that cannot fit
+        fits = [d for d in options if d >= need]
+        cp = min(fits) if fits else max(options, default=1)
     if "cp" not in fixed:
         why.append(f"cp={cp}: " + (
         f"histories up to {hints.max_seq_len} tokens are split so each rank holds <= "
@@ -459,8 +467,8 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         ParallelPlan(world_size=world_size, tp=tp, cp=cp, dp_shard=-1, zero_stage=zero_stage)
     data_world = world_size // (tp * cp)
     data_in_block = max(1, block // (tp * cp)) if block >= tp * cp else 1
-    shard_given = fixed.get("dp_shard", -1)
-    replicate_given = fixed.get("dp_replicate", -1)
+    # ep borrows ranks of dp_shard: the given one, or what the given dp_replicate leaves
+    shard_target = shard_given if shard_given >= 1 else data_world // max(replicate_given, 1)
 
     # ep: activations all-gathered and reduce-scattered around every expert layer -> fastest links.
     ep = fixed.get("ep", 1)
@@ -468,8 +476,8 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
         why.append(f"ep={ep}: {given}")
     elif hints.num_experts > 1 and "ep" in allowed:
         cands = [d for d in _divisors(hints.num_experts) if d * cp * tp <= block and block % (d * cp * tp) == 0
-                 and data_world % d == 0 and (shard_given < 1 or shard_given % d == 0)]
-        in_node = [d for d in cands if d * cp * tp <= node]
+                 and data_world % d == 0 and shard_target % d == 0]
+        in_node = [d for d in cands if node % (d * cp * tp) == 0]  # aligned groups that divide a node stay in it
         ep = max(in_node) if in_node and max(in_node) > 1 else max(cands, default=1)
     if "ep" not in fixed:
         why.append(f"ep={ep}: " + (
