@@ -1,9 +1,11 @@
 """The LoopFM task's memory under several ranks (gloo, 2 processes on CPU, no trainer): rank 0 logs the
-memory; a failure there, or a rank that cannot see what it logged, is raised on every rank."""
+memory; a failure there, or a rank that cannot see what it logged, is raised on every rank. So is a rank
+that cannot load the teacher (both methods)."""
 
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = [("shared", {"synthetic": WORLD}, True),
              ("not-shared", {"synthetic": WORLD}, False),
              ("bad-data", {"source": "parquet", "path": "/nonexistent/gem-data"}, True)]
+# (name, distillation.method): spec.teacher.gemTraining on a checkpoint volume only rank 0's node mounts
+TEACHER_SCENARIOS = [("teacher-not-shared-kd", "kd"), ("teacher-not-shared-loopfm", "loopfm"),
+                     ("teacher-differs", "kd")]  # each node sees a checkpoint of that name, another one on rank 1
 
 
 def _rank_main(rank: int, teacher: str, root: str) -> None:
@@ -26,8 +31,10 @@ def _rank_main(rank: int, teacher: str, root: str) -> None:
 
     from gem.api import parse_object
     from gem.data.errors import SpecError
+    from gem.distill.task import DistillTask
     from gem.distill.teacher import load_teacher
     from gem.loopfm import task as loopfm_task
+    from gem.train import checkpoint
 
     td.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=2,
                           timeout=datetime.timedelta(seconds=60))
@@ -49,7 +56,30 @@ def _rank_main(rank: int, teacher: str, root: str) -> None:
             results[name] = {"error": type(e).__name__, "message": str(e)}
         (Path(root) / f"rank-{rank}.json").write_text(json.dumps(results))
         if results[name].get("error", "SpecError") != SpecError.__name__:
-            break  # a peer's crash (gloo: 'Connection closed by peer'): the group is gone
+            td.destroy_process_group()  # a peer's crash (gloo: 'Connection closed by peer'): the group is gone
+            return
+    for name, method in TEACHER_SCENARIOS:
+        node = Path(root) / name / f"node-{rank}"
+        os.environ["GEM_CHECKPOINT_DIR"] = str(node)
+        if rank == 0 or name == "teacher-differs":  # the GEMTraining's checkpoint, on rank 0's node's volume
+            copy = shutil.copytree(teacher, node / "local" / "fm" / Path(teacher).name)
+            (copy / checkpoint.COMPLETE).touch()
+            if rank == 1:  # a newer save of the same step name on rank 1's (say, a restarted teacher job)
+                torch.save({k: v + 1 for k, v in torch.load(copy / "model.pt").items()}, copy / "model.pt")
+        manifest = parse_object({
+            "apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "lf", "namespace": "local"},
+            "spec": {"teacher": {"gemTraining": "fm"},
+                     "student": {"embeddingDim": 8, "hiddenDim": 16, "maxSeqLen": 8},
+                     "distillation": {"method": method, "memoryK": 4}, "data": {"synthetic": WORLD},
+                     "checkpoint": {"path": "/unused"}}})
+        try:  # what `gem distill` constructs on each rank (DistillTask is LoopFMTask for method loopfm)
+            DistillTask(manifest, device=torch.device("cpu"))
+            results[name] = {"loaded": True}
+        except Exception as e:  # noqa: BLE001 - what this rank raised is the result
+            results[name] = {"error": type(e).__name__, "message": str(e)}
+        (Path(root) / f"rank-{rank}.json").write_text(json.dumps(results))
+        if results[name].get("error", "SpecError") != SpecError.__name__:
+            break
     td.destroy_process_group()
 
 
@@ -84,6 +114,17 @@ def test_rank_0s_logging_error_and_an_unshared_memory_are_raised_on_every_rank(t
     for r in results:
         assert r["bad-data"].get("error") == "SpecError", results
         assert r["bad-data"]["message"].startswith("spec.data.path: cannot read Parquet data"), results
+    # only rank 0's node sees the teacher (spec.teacher.gemTraining on a volume not shared): rank 1's SpecError
+    # is raised on rank 0 too, rather than rank 0 going on alone into the memory's / trainer's collectives
+    for name, _ in TEACHER_SCENARIOS[:2]:
+        for r in results:
+            assert r[name].get("error") == "SpecError", (name, results)
+            assert r[name]["message"].startswith("spec.teacher.gemTraining 'fm': no complete checkpoint"), results
+            assert "rank(s) 1 of 2 failed, rank(s) 0 loaded the teacher" in r[name]["message"], results
+    # the ranks loaded different teachers (resolved while the teacher saved): both raise, none distils alone
+    for r in results:
+        assert r["teacher-differs"].get("error") == "RuntimeError", results
+        assert r["teacher-differs"]["message"].startswith("spec.teacher.gemTraining: the ranks resolved different")
 
 
 if __name__ == "__main__":

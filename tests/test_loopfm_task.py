@@ -245,3 +245,156 @@ def test_a_restart_with_another_student_shape_is_a_spec_error_naming_the_field(t
     wire["spec"]["student"]["hiddenDim"], wire["spec"]["distillation"]["memoryK"] = 16, 4
     wire["spec"]["student"]["maxSeqLen"] = 4  # no weight depends on it: the job resumes
     loopfm_task.LoopFMTask(parse_object(wire), device=torch.device("cpu"), is_main=True)
+
+
+def test_millisecond_request_times_are_a_spec_error_naming_the_data_path(tmp_path, teacher_dir):
+    """Parquet logs with request_time in milliseconds (docs/data.md says seconds): a config error naming
+    spec.data.path and the unit (exit 2), not a ValueError from the memory that restarts the pod forever."""
+    import dataclasses
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.parquet import write_splits
+    from gem.data.synthetic import build_splits
+
+    train, eval_ = build_splits(SyntheticDataSpec.model_validate(WORLD))
+    ms = [dataclasses.replace(e, request_time=e.request_time * 1000, seq_timestamp=e.seq_timestamp * 1000)
+          for e in (train, eval_)]
+    write_splits(*ms, tmp_path / "pq-ms")
+    manifest = distill_manifest(tmp_path, teacher_dir)
+    manifest.spec.data = manifest.spec.data.model_validate({"source": "parquet", "path": str(tmp_path / "pq-ms")})
+    with pytest.raises(SpecError) as e:
+        loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+    message = str(e.value)
+    assert message.startswith(f"spec.data.path: the Parquet data at {str(tmp_path / 'pq-ms')!r} has request_time")
+    assert "milliseconds" in message and "unix seconds" in message and "divide" in message, message
+
+
+def _fake_movielens(n_users=3, per_user=100, n_movies=40):
+    """(ratings, items) Parquet bytes shaped like MovieLens-100K's, with histories longer than 64."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gem.data.movielens import GENRES
+
+    rng = np.random.default_rng(0)
+    user = np.repeat(np.arange(1, n_users + 1), per_user)
+    ts = 880_000_000 + np.tile(np.arange(per_user) * 60, n_users) + user  # distinct per user
+    ratings = {"user_id": user, "movie_id": rng.integers(1, n_movies + 1, user.size),
+               "rating": rng.integers(1, 6, user.size), "timestamp": ts}
+    items = {"movie_id": np.arange(1, n_movies + 1), "release_date": ["01-Jan-1995"] * n_movies,
+             **{g: (np.arange(n_movies) % len(GENRES) == i).astype(np.int64) for i, g in enumerate(GENRES)}}
+
+    def parquet(cols):
+        buf = io.BytesIO()
+        pq.write_table(pa.table(cols), buf)
+        return buf.getvalue()
+
+    return parquet(ratings), parquet(items)
+
+
+def test_the_memory_logs_the_teachers_whole_history_window(tmp_path, monkeypatch):
+    """A teacher reading 128 events over MovieLens (which builds histories of max_history events): every
+    logged embedding is the teacher's representation of its full 128-event window, not of the 64 most
+    recent events (load_splits' default), and a memory logged with another window is logged again."""
+    import json
+
+    import numpy as np
+
+    from gem.data import movielens
+    from gem.data.batch import make_batch
+    from gem.loopfm.logging import UserRepresentation
+    from gem.loopfm.memory import MemoryIndex
+
+    monkeypatch.delenv("GEM_CHECKPOINT_DIR", raising=False)
+    fake = _fake_movielens()
+    monkeypatch.setattr(movielens, "find_movielens", lambda download=False: fake)
+    fm = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "fm"},
+          "spec": {"model": {"preset": "tiny", "maxSeqLen": 128}, "data": {"source": "movielens"}}}
+    teacher_dir = tmp_path / "fm" / "step-00000001"
+    teacher_dir.mkdir(parents=True)
+    (teacher_dir / "gem.yaml").write_text(yaml.safe_dump(fm))
+    torch.manual_seed(0)
+    torch.save(build_model(parse_object(fm).spec.model).state_dict(), teacher_dir / "model.pt")
+    manifest = distill_manifest(tmp_path, teacher_dir)
+    manifest.spec.data = manifest.spec.data.model_validate({"source": "movielens"})
+    teacher, _, _ = load_teacher(manifest.spec, "local")
+    assert teacher.max_seq_len == 128
+
+    memory, version = loopfm_task.build_memory(teacher, teacher_dir, manifest)
+    got = memory.index(version)
+
+    def expected(window):
+        """The teacher's history representation of every example of both splits, histories of `window` events."""
+        splits = movielens.movielens_examples(max_history=window)
+        rep = UserRepresentation(teacher, "history")
+        embs = [rep.history(make_batch(s, np.arange(len(s)), max_seq_len=teacher.max_seq_len)).numpy() for s in splits]
+        index = MemoryIndex.build(np.concatenate([s.user_id for s in splits]),
+                                  np.concatenate([s.request_time for s in splits]), np.concatenate(embs))
+        return index, splits
+
+    want, splits = expected(128)
+    assert max(np.diff(s.seq_offsets).max() for s in splits) > 64  # the data has windows longer than 64
+    assert np.array_equal(got.keys, want.keys)
+    assert np.allclose(got.embeddings, want.embeddings, atol=1e-6)
+    truncated, _ = expected(64)
+    assert not np.allclose(got.embeddings, truncated.embeddings, atol=1e-3)  # the window matters here
+
+    # a memory logged before the window was recorded (its marker has none): logged again, not trusted
+    marker = next(memory.root.glob("logged-*.json"))
+    record = json.loads(marker.read_text())
+    record.pop("historyWindow", None)
+    marker.write_text(json.dumps(record))
+    calls = []
+    real = loopfm_task.log_stream
+    monkeypatch.setattr(loopfm_task, "log_stream", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    memory, _ = loopfm_task.build_memory(teacher, teacher_dir, manifest)
+    assert calls == [1] and len(memory.index(version)) == len(want)
+
+
+def test_loopfm_with_data_sources_is_a_spec_error_before_the_teacher_loads(tmp_path, teacher_dir, monkeypatch):
+    """data.sources (mixing) is refused for LoopFM, with the reason, before the (slow) teacher load."""
+    manifest = distill_manifest(tmp_path, teacher_dir)
+    manifest.spec.data = manifest.spec.data.model_validate(
+        {"sources": [{"name": "a", "synthetic": WORLD}, {"name": "b", "synthetic": WORLD}]})
+
+    def must_not_load(*a, **kw):
+        raise AssertionError("the teacher was loaded for a spec that cannot run")
+
+    monkeypatch.setattr(loopfm_task, "load_teacher", must_not_load, raising=False)
+    monkeypatch.setattr(loopfm_task, "load_teacher_on_every_rank", must_not_load, raising=False)
+    with pytest.raises(SpecError) as e:
+        loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+    message = str(e.value)
+    assert message.startswith("spec.data.sources: distillation.method loopfm"), message
+    assert "user" in message and "data.source" in message, message
+    manifest.spec.data.sources = manifest.spec.data.sources[:1]  # one entry is one source: accepted
+    loopfm_task.check_single_source(manifest)
+
+
+def test_the_teachers_weights_are_hashed_once_per_process(tmp_path, teacher_dir, monkeypatch):
+    """model_version_of (the teacher's version, asked for by the resume check, the teacher record and the
+    memory) reads a multi-GB model.pt once per process; a changed file is hashed again."""
+    import builtins
+
+    from gem.loopfm import logging as loopfm_logging
+
+    reads = []
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).endswith("model.pt"):
+            reads.append(str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(loopfm_logging, "open", counting_open, raising=False)
+    first = loopfm_logging.model_version_of(teacher_dir)
+    assert len(reads) == 1
+    assert loopfm_logging.model_version_of(teacher_dir) == first
+    assert logged_version(teacher_dir) == f"{first}+history"
+    assert len(reads) == 1  # not read again
+
+    torch.save({"other": torch.zeros(3)}, teacher_dir / "model.pt")  # another file at the same path
+    second = loopfm_logging.model_version_of(teacher_dir)
+    assert len(reads) == 2 and second != first and second.startswith("step-00000001-")

@@ -19,7 +19,7 @@ from gem.api.types import LoopFMDistill
 from gem.data import Batch
 from gem.data.errors import SpecError
 from gem.distill.student import build_student
-from gem.distill.teacher import load_teacher, resumed_manifest, with_teacher
+from gem.distill.teacher import load_teacher_on_every_rank, resumed_manifest, with_teacher
 from gem.model.loss import masked_bce, task_labels, task_masks
 from gem.train.task import LossFn
 
@@ -62,8 +62,9 @@ class DistillTask:
         if spec.distillation.method != "kd":
             raise ValueError(f"DistillTask is plain KD, not distillation.method {spec.distillation.method!r}")
         check_student_unchanged(manifest)
-        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace,
-                                                                             job_manifest=manifest)
+        # collective: a rank that cannot load the teacher fails every rank, not only itself
+        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher_on_every_rank(
+            spec, manifest.metadata.namespace, job_manifest=manifest)
         self.manifest = with_teacher(manifest, self.teacher_dir)  # the trainer saves this one
         self.teacher.to(device)
         # Batches carry the longer of the two histories; the student keeps its own most recent events.

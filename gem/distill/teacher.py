@@ -15,6 +15,10 @@ model's newer version); that teacher gone, it is a SpecError.
 A teacher that is not there, is not a GEM model, or does not load (a corrupt or truncated
 model.pt, weights of another model config than its gem.yaml) is a SpecError naming
 spec.teacher.<field>: `gem distill` reports it as a config error (exit 2).
+
+Under torchrun every rank loads the teacher (load_teacher_on_every_rank): a rank that cannot (a node
+without the teacher's volume, an MLflow download failing on one pod) makes every rank raise, instead
+of leaving the others waiting in the trainer's first collective.
 """
 
 from __future__ import annotations
@@ -192,3 +196,44 @@ def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any =
         p.requires_grad_(False)
     log.info("teacher: %s (preset %s)", path, manifest.spec.model.preset)
     return model, manifest, path
+
+
+def load_teacher_on_every_rank(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any = None
+                               ) -> tuple[nn.Module, Any, Path]:
+    """load_teacher on every rank of the job. Collective: a rank that fails makes every rank raise (a
+    SpecError as a SpecError, exit 2), rather than the others going on into the next collective and waiting
+    for it (gloo: 'Connection closed by peer'; NCCL: until the 30-minute timeout); ranks that loaded
+    different teachers (spec.teacher resolved while a GEMTraining saved a newer checkpoint) raise too."""
+    from gem.loopfm.logging import model_version_of
+    from gem.train.dist import all_gather_objects
+
+    loaded: tuple[nn.Module, Any, Path] | None = None
+    error: Exception | None = None
+    try:
+        loaded = load_teacher(spec, namespace, job_manifest=job_manifest)
+        outcome: tuple[str, Any] = ("version", model_version_of(loaded[2]))  # hashed once per process
+    except Exception as e:  # noqa: BLE001 - gathered, then raised on every rank
+        error = e
+        outcome = ("spec" if isinstance(e, SpecError) else "error", str(e) if isinstance(e, SpecError)
+                   else f"{type(e).__name__}: {e}")
+    outcomes = all_gather_objects(outcome)
+    failed = {rank: o for rank, o in enumerate(outcomes) if o[0] != "version"}
+    if error is not None and len(failed) == len(outcomes):
+        raise error  # every rank failed (one process, or a spec no pod can load): its own error, unchanged
+    if failed:
+        rank, (what, message) = min(failed.items())
+        ok = [r for r in range(len(outcomes)) if r not in failed]
+        where = (f" [rank(s) {', '.join(map(str, sorted(failed)))} of {len(outcomes)} failed, rank(s) "
+                 f"{', '.join(map(str, ok))} loaded the teacher: every pod must see it (the checkpoint volume of "
+                 "spec.teacher.gemTraining / checkpoint shared by all nodes, spec.checkpoint.claimName; MLflow "
+                 "reachable from every pod)]")
+        if what == "spec":
+            raise SpecError(message + where) from error
+        raise RuntimeError(f"rank {rank} failed to load the teacher: {message}{where}") from error
+    versions = {o[1] for o in outcomes}
+    if len(versions) > 1:
+        raise RuntimeError(f"{teacher_field(spec)}: the ranks resolved different teachers ({', '.join(sorted(versions))}"
+                           "): a GEMTraining saved a checkpoint, or a registered model moved, while they resolved it; "
+                           "a restart resolves it again (name a checkpoint directory to pin it)")
+    assert loaded is not None
+    return loaded

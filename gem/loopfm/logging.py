@@ -22,6 +22,8 @@ Two user representations (`kind`):
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,14 +39,38 @@ from gem.model.jagged import segment_ids
 LOG_BATCH = 512
 
 
+#: sha1 of weights files already read by this process, by (path, device, inode, size, mtime_ns) of the file.
+_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
+def _weights_digest(path: Path) -> str:
+    """sha1 of a weights file, read once per process: a distillation asks for its teacher's version several
+    times per start (resume check, teacher record, memory version), and a teacher's model.pt may be GBs.
+    A file rewritten or replaced at the same path (another size, mtime or inode) is read again."""
+    def key_of() -> tuple[str, int, int, int, int]:
+        st = os.stat(path)
+        return str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    key = key_of()
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if key_of() == key:  # not rewritten while it was read: the digest is this key's
+        with _DIGESTS_LOCK:
+            _DIGESTS[key] = digest
+    return digest
+
+
 def model_version_of(ckpt_dir: str | Path) -> str:
     """A stable version id of a checkpoint: its directory name + a hash of its weights file."""
     ckpt_dir = Path(ckpt_dir)
-    h = hashlib.sha1()
-    with open(ckpt_dir / "model.pt", "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return f"{ckpt_dir.name}-{h.hexdigest()[:12]}"
+    return f"{ckpt_dir.name}-{_weights_digest(ckpt_dir / 'model.pt')[:12]}"
 
 
 KINDS = ("tokens", "history")

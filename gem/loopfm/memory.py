@@ -33,10 +33,28 @@ import pyarrow.parquet as pq
 _TS_BITS = 32  # timestamps are unix seconds < 2^32 (year 2106); user codes < 2^31 (distinct users)
 
 
+class TimestampRangeError(ValueError):
+    """Timestamps outside [0, 2^32): not unix seconds (milliseconds, most often). The LoopFM task reports it
+    as a SpecError naming the data field; `low` / `high` are the offending extremes."""
+
+    def __init__(self, low: int, high: int):
+        self.low, self.high = low, high
+        #: the unit the values look like (None: not a scaled unix time, e.g. negative)
+        self.unit: str | None = None
+        self.scale = 1  # unix seconds = value // scale
+        if low >= 0:
+            for unit, scale in (("milliseconds", 1000), ("microseconds", 10**6), ("nanoseconds", 10**9)):
+                if high // scale < (1 << _TS_BITS):
+                    self.unit, self.scale = unit, scale
+                    break
+        hint = f" (they look like {self.unit})" if self.unit else ""
+        super().__init__(f"timestamps must be unix seconds in [0, 2^32); got values in [{low}, {high}]{hint}")
+
+
 def _check_timestamps(ts: np.ndarray) -> np.ndarray:
     ts = np.asarray(ts, dtype=np.int64)
     if ts.size and (ts.min() < 0 or ts.max() >= (1 << _TS_BITS)):
-        raise ValueError("timestamps must be unix seconds in [0, 2^32)")
+        raise TimestampRangeError(int(ts.min()), int(ts.max()))
     return ts
 
 

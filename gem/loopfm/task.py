@@ -1,11 +1,13 @@
 """`gem distill` with distillation.method: loopfm, as a trainer Task.
 
-Before training, rank 0 runs the teacher over the job's data (train and eval impressions, in
-request-time order) and logs its user representation into the job's embedding memory,
+Every rank loads the teacher (collectively: one rank failing fails them all). Then rank 0 runs the
+teacher over the job's data (train and eval impressions, in request-time order, histories of the
+teacher's max_seq_len events) and logs its user representation into the job's embedding memory,
 <checkpoint root>/<namespace>/<name>/memory/. Only once both splits are logged does it write a
-completion marker keyed by (teacher version, hash of spec.data); without a matching marker (a log
-cut short by preemption, or one made from another spec.data under the same job name) the
-version's rows are dropped and logged again. The memory version is recorded in the manifest the
+completion marker keyed by (teacher version, hash of spec.data, history window); without a matching
+marker (a log cut short by preemption, one made from another spec.data under the same job name, or
+with another window) the version's rows are dropped and logged again. One data source only
+(data.sources is refused: the memory's key has no source). The memory version is recorded in the manifest the
 checkpoints carry (annotation MEMORY_VERSION_ANNOTATION), so a reloaded student reads the memory
 it was trained with. The student reads the memory point-in-time in its forward pass, so training,
 evaluation and serving see the same features.
@@ -34,9 +36,9 @@ from gem.api.types import DataSpec, LoopFMDistill
 from gem.data import Batch
 from gem.data.errors import SpecError
 from gem.distill.task import check_student_unchanged
-from gem.distill.teacher import load_teacher, with_teacher
+from gem.distill.teacher import load_teacher_on_every_rank, with_teacher
 from gem.loopfm.logging import LOGGED_KIND, UserRepresentation, log_stream, logged_version
-from gem.loopfm.memory import EmbeddingMemory
+from gem.loopfm.memory import EmbeddingMemory, TimestampRangeError
 from gem.loopfm.student import LoopFMStudent
 from gem.model.loss import masked_bce, task_labels, task_masks
 from gem.train import checkpoint
@@ -64,38 +66,60 @@ def _marker_path(memory: EmbeddingMemory, version: str) -> Path:
     return memory.root / f"logged-{hashlib.sha1(version.encode()).hexdigest()[:16]}.json"
 
 
-def logged_completely(memory: EmbeddingMemory, version: str, data_hash: str) -> bool:
-    """Whether every split of this data was logged under `version` (its completion marker matches)."""
+def logged_completely(memory: EmbeddingMemory, version: str, data_hash: str, window: int) -> bool:
+    """Whether every split of this data was logged under `version`, from histories of `window` events (the
+    teacher's max_seq_len): its completion marker matches. A marker without a window (logged when the data
+    was loaded with 64 events whatever the teacher read) does not."""
     try:
         record = json.loads(_marker_path(memory, version).read_text())
     except (OSError, ValueError):
         return False
-    return record.get("modelVersion") == version and record.get("dataSpecHash") == data_hash
+    return (record.get("modelVersion") == version and record.get("dataSpecHash") == data_hash
+            and record.get("historyWindow") == window)
 
 
-def _mark_logged(memory: EmbeddingMemory, version: str, data_hash: str, rows: int) -> None:
+def _mark_logged(memory: EmbeddingMemory, version: str, data_hash: str, window: int, rows: int) -> None:
     path = _marker_path(memory, version)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"modelVersion": version, "dataSpecHash": data_hash, "rows": rows}, f)
+        json.dump({"modelVersion": version, "dataSpecHash": data_hash, "historyWindow": window, "rows": rows}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # the marker appears whole, after every shard
 
 
+def _timestamp_error(data: DataSpec, e: TimestampRangeError) -> SpecError:
+    """Data whose request_time is not unix seconds (docs/data.md), as a config error naming its field."""
+    src, field = (data.sources[0], "spec.data.sources[0]") if data.sources else (data, "spec.data")  # one source
+    if str(src.source) == "parquet":
+        where = f"{field}.path: the Parquet data at {src.path!r}"
+    else:
+        where = f"{field}.source: the {src.source} data"
+    fix = (f"divide request_time and seq_timestamp by {e.scale} where the data is written" if e.unit
+           else "write request_time and seq_timestamp as unix seconds")
+    looks = f" (these look like {e.unit})" if e.unit else ""
+    return SpecError(f"{where} has request_time values in [{e.low}, {e.high}]{looks}: the LoopFM memory takes unix "
+                     f"seconds in [0, 2^32), as docs/data.md specifies: {fix} (gem.data.parquet.write_splits)")
+
+
 def _log_memory(teacher: nn.Module, memory: EmbeddingMemory, version: str, data: DataSpec) -> None:
     """Log the teacher over both splits of `data` unless that exact log is complete; replaces a partial one."""
     data_hash = data_spec_hash(data)
-    if logged_completely(memory, version, data_hash):
+    window = teacher.max_seq_len  # the events the teacher reads: the logged vector pools exactly those
+    if logged_completely(memory, version, data_hash, window):
         return
     _marker_path(memory, version).unlink(missing_ok=True)  # a crash from here on leaves it incomplete
     stale = memory.drop_version(version)
     if stale:
         log.warning("loopfm memory: replacing %d rows of %s in %s (a log cut short, or logged from another "
-                    "spec.data)", stale, version, memory.root)
-    train, evaluation = load_splits(data)
-    rows = log_stream(teacher, [train, evaluation], memory, version, kind=LOGGED_KIND)
-    _mark_logged(memory, version, data_hash, rows)
+                    "spec.data or history window)", stale, version, memory.root)
+    # Sources that build histories (movielens) keep max_history events: the teacher's window, not the default 64.
+    train, evaluation = load_splits(data, max_history=window)
+    try:
+        rows = log_stream(teacher, [train, evaluation], memory, version, kind=LOGGED_KIND)
+    except TimestampRangeError as e:
+        raise _timestamp_error(data, e) from e
+    _mark_logged(memory, version, data_hash, window, rows)
     log.info("loopfm memory: logged %d embeddings of %s into %s", rows, version, memory.root)
 
 
@@ -119,7 +143,8 @@ def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill,
     for rank, (is_spec, message) in failed.items():
         raise SpecError(message) if is_spec else RuntimeError(f"rank {rank} failed to log the LoopFM memory: {message}")
     # A node that does not see rank 0's memory would train on zeros for every user, silently.
-    unseen = failures_by_rank(not logged_completely(memory, version, data_spec_hash(manifest.spec.data)))
+    unseen = failures_by_rank(not logged_completely(memory, version, data_spec_hash(manifest.spec.data),
+                                                    teacher.max_seq_len))
     if unseen:
         raise SpecError(
             f"spec.checkpoint.claimName: rank(s) {', '.join(map(str, unseen))} cannot see the LoopFM memory rank 0 "
@@ -135,6 +160,18 @@ def with_memory_version(manifest: LoopFMDistill, version: str) -> LoopFMDistill:
     return recorded
 
 
+def check_single_source(manifest: LoopFMDistill) -> None:
+    """data.sources mixing several sources is refused for LoopFM: a SpecError saying why, raised alike on every
+    rank (one entry is one source)."""
+    if len(manifest.spec.data.sources) > 1:
+        raise SpecError(
+            "spec.data.sources: distillation.method loopfm reads one data source: its memory is keyed by "
+            "(user_id, request_time) alone, so the sources' users would share one history (user 5 of one source "
+            "reading the teacher's embeddings of user 5 of another) and their timelines would interleave in each "
+            "user's point-in-time reads. Use data.source (or one entry in data.sources); for mixed data "
+            "distil with distillation.method kd")
+
+
 class LoopFMTask:
     def __init__(self, manifest: LoopFMDistill, *, device: torch.device, is_main: bool | None = None):
         if is_main is None:
@@ -143,9 +180,11 @@ class LoopFMTask:
             is_main = not td.is_initialized() or td.get_rank() == 0
         spec = manifest.spec
         self.device = device
+        check_single_source(manifest)  # before the (slow) teacher load
         check_student_unchanged(manifest)  # before the (slow) memory log
-        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher(spec, manifest.metadata.namespace,
-                                                                             job_manifest=manifest)
+        # collective: a rank that cannot load the teacher fails every rank, not only itself
+        self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher_on_every_rank(
+            spec, manifest.metadata.namespace, job_manifest=manifest)
         self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
         # the trainer saves this one: a reloaded student reads its memory version, a resumed run keeps its teacher
         self.manifest = with_memory_version(with_teacher(manifest, self.teacher_dir), self.model_version)
