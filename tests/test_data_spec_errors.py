@@ -60,3 +60,19 @@ def test_too_few_training_examples_name_the_sources_field(tmp_path, data, field)
     with pytest.raises(SpecError) as e:
         splits.train_loader(batch_size=40, max_seq_len=8, rank=0, world_size=2, seed=0)
     assert str(e.value).startswith(f"{field}: ") and "spec.training.batchSize" in str(e.value)
+
+
+@pytest.mark.parametrize("column, scale, unit", [("request_time", 1000, "milliseconds"),
+                                                 ("seq_timestamp", 10**6, "microseconds")])
+def test_timestamps_that_are_not_unix_seconds_name_the_path_and_the_unit(tmp_path, column, scale, unit):
+    """The model's time features (rotary time encoding, recency) read seconds: data logged in ms trained
+    silently on times 1000x apart. Refused at setup from the Parquet footers' statistics, no data read."""
+    world = SyntheticWorld(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=10,
+                                             mean_history_len=4.0))
+    train = world.sample(64, split=0)
+    scaled = getattr(train, column) * scale
+    train = train.__class__(**{**train.__dict__, column: scaled})
+    write_examples(train, tmp_path / "d" / "train")
+    write_examples(world.sample(16, split=1), tmp_path / "d" / "eval")
+    with pytest.raises(SpecError, match=rf"^spec\.data\.path: .*{column}.*look like {unit}.*unix seconds"):
+        load_data(DataSpec.model_validate({"source": "parquet", "path": str(tmp_path / "d")}))

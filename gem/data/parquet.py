@@ -257,6 +257,30 @@ def write_synthetic(spec: Any, path: str | Path, *, chunk_size: int | None = Non
 # --------------------------------------------------------------------------- reading
 
 
+#: Columns in unix seconds (docs/data.md); beyond 2^32 - 1 (the year 2106) a value is not seconds.
+_TIME_COLUMNS = {"request_time": "request_time", "seq_timestamp.list.element": "seq_timestamp",
+                 "seq_timestamp.list.item": "seq_timestamp"}
+_MAX_SECONDS = (1 << 32) - 1
+
+
+def _check_seconds(f: Path, rg: Any) -> None:
+    """Refuse time columns of a row group that are not unix seconds, from the footer's statistics (no
+    data read): the model's time features (rotary time encoding, recency) would silently read them
+    1000x apart. Files written without statistics are not checked."""
+    for j in range(rg.num_columns):
+        col = rg.column(j)
+        name = _TIME_COLUMNS.get(col.path_in_schema)
+        st = col.statistics
+        if name is None or st is None or not st.has_min_max or (0 <= st.min and st.max <= _MAX_SECONDS):
+            continue
+        unit = next((u for u, scale in (("milliseconds", 10**3), ("microseconds", 10**6), ("nanoseconds", 10**9))
+                     if st.min >= 0 and st.max // scale <= _MAX_SECONDS), None)
+        looks = f" (they look like {unit})" if unit else ""
+        raise ValueError(f"{f.name}: {name} holds values in [{st.min}, {st.max}]{looks}, not unix seconds in "
+                         "[0, 2^32) as docs/data.md specifies: write request_time and seq_timestamp in seconds "
+                         "(e.g. divide milliseconds by 1000)")
+
+
 class ParquetSource:
     """The Parquet files of one split: row-group index from the footers (no data read)."""
 
@@ -276,10 +300,12 @@ class ParquetSource:
             for g in range(md.num_row_groups):
                 if md.row_group(g).num_rows == 0:  # other writers (and older files of ours) hold empty groups
                     continue
+                _check_seconds(f, md.row_group(g))
                 self.groups.append((i, g))
                 rows.append(md.row_group(g).num_rows)
         self.group_rows = np.asarray(rows, dtype=np.int64)
         self._handles: dict[int, pq.ParquetFile] = {}
+
 
     @property
     def num_rows(self) -> int:
