@@ -94,7 +94,9 @@ def test_kueue_placement_measures_the_node_pool_and_annotates_both_templates(clu
     assert degrees == (2, 2, 2, 1, 1, 2)
     assert plan["chosen"] == "auto" and plan["groupLevels"] == {"dp_replicate": "zone", "ep": "block"}
     assert "ep=2: 2 dense experts, 1 per rank, each expert-parallel group inside one block" in plan["reason"]
-    assert "dp_shard=2: ZeRO-2 shards over every data rank of one block" in plan["reason"]
+    # DeepSpeed's ZeRO-1/2 partition over every data rank: the split only places the expert groups
+    assert "dp_shard=2: every data rank of one block" in plan["reason"]
+    assert "ZeRO-2 partitions over all 4 data ranks" in plan["reason"]
     assert plan == {k: v for k, v in env["plan"].items() if k != "worldSize"} | {
         "chosen": env["chosen"], "reason": env["reason"], "groupLevels": env["groupLevels"]}
     log = (operator.log).read_text()

@@ -133,46 +133,163 @@ def test_node_rank_of_ignores_other_pods():
 
 
 def test_ring_bytes_per_level_small_case():
-    # 2 nodes x 2 ranks, one dp_shard group over all 4 ranks: ring 0->1->2->3->0
+    # 2 nodes x 2 ranks, one data group over all 4 ranks: ring 0->1->2->3->0
     topo = Topology.build(procs_per_node=2, num_nodes=2)
     plan = ParallelPlan(world_size=4, zero_stage=1)
     work = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
-    per = step_bytes(plan, topo, work)
     s = 1000 * 2  # bf16 bytes of the model
-    # reduce-scatter + all-gather, each (n-1)/n * S per rank-link: links 0-1, 2-3 on NVLink, 1-2, 3-0 across nodes
-    assert per["dp_shard/reduce_scatter_grads"] == pytest.approx({"node": 2 * 0.75 * s, "cluster": 2 * 0.75 * s})
+    # each ring pass moves (n-1)/n * S per rank-link: links 0-1, 2-3 on NVLink, 1-2, 3-0 across nodes
+    ring = {"node": 2 * 0.75 * s, "cluster": 2 * 0.75 * s}
+    # DeepSpeed ZeRO-1: gradient all-reduce (two passes) + all-gather of the updated partitions
+    per = step_bytes(plan, topo, work)
+    assert set(per) == {"data/all_reduce_grads", "data/all_gather_params"}
+    assert per["data/all_reduce_grads"] == pytest.approx({k: 2 * v for k, v in ring.items()})
+    assert per["data/all_gather_params"] == pytest.approx(ring)
+    assert level_totals(per) == pytest.approx({"node": 4.5 * s, "cluster": 4.5 * s})
+    # the ideal HSDP: reduce-scatter + all-gather
+    per = step_bytes(plan, topo, work, zero_model="hsdp")
+    assert per["dp_shard/reduce_scatter_grads"] == pytest.approx(ring)
     assert level_totals(per) == pytest.approx({"node": 3 * s, "cluster": 3 * s})
 
 
+@pytest.mark.parametrize("zero_model", ["deepspeed", "hsdp"])
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
-def test_context_parallel_ranks_reduce_their_gradients(zero_stage):
+def test_context_parallel_ranks_reduce_their_gradients(zero_stage, zero_model):
     """cp ranks see different sequences, so their gradients are reduced like any data rank's (DeepSpeed's
-    data group, torchtitan's dp_shard_cp): 8 cp ranks move the gradient bytes of 8 dp_shard ranks. The
-    model counted none for them."""
+    data group, torchtitan's dp_shard_cp): 8 cp ranks move the gradient bytes of 8 dp_shard ranks."""
     topo = Topology.build(procs_per_node=8, num_nodes=1)
     work = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
-    by_cp = step_bytes(ParallelPlan(world_size=8, dp_shard=1, cp=8, sparse_shard=1, zero_stage=zero_stage), topo, work)
-    by_shard = step_bytes(ParallelPlan(world_size=8, dp_shard=8, sparse_shard=1, zero_stage=zero_stage), topo, work)
+    by_cp = step_bytes(ParallelPlan(world_size=8, dp_shard=1, cp=8, sparse_shard=1, zero_stage=zero_stage), topo,
+                       work, zero_model=zero_model)
+    by_shard = step_bytes(ParallelPlan(world_size=8, dp_shard=8, sparse_shard=1, zero_stage=zero_stage), topo, work,
+                          zero_model=zero_model)
     assert by_cp == by_shard and level_totals(by_cp)["node"] > 0
-    # HSDP with cp: the replicas all-reduce the 1/(dp_shard x cp) shard
+
+
+def test_hsdp_model_all_reduces_the_shard_across_replicas():
+    # the ideal HSDP with cp: the replicas all-reduce the 1/(dp_shard x cp) shard
     topo = Topology.build(procs_per_node=4, num_nodes=2)
-    per = step_bytes(ParallelPlan(world_size=8, dp_replicate=2, dp_shard=2, cp=2, zero_stage=3), topo, work)
+    work = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
+    per = step_bytes(ParallelPlan(world_size=8, dp_replicate=2, dp_shard=2, cp=2, zero_stage=3), topo, work,
+                     zero_model="hsdp")
     # 4 groups x 2 ranks x (n-1)/n x 2 (all-reduce) x the shard: 2000 bf16 bytes / 4
     assert per["dp_replicate/all_reduce_grads"] == pytest.approx({"cluster": 4 * 2 * 0.5 * 2 * (2 * 1000 / 4)})
 
 
+# DeepSpeed's groups per stage (comm_model.py cites its source). 4 nodes x 2 ranks, blocks of 2 nodes;
+# 2 replicas x dp_shard 2 x cp 2: the data group is all 8 ranks, its ring 0..7 leaves a block twice
+# (3->4, 7->0); the dp_shard groups are [0,2] [1,3] [4,6] [5,7], inside a block.
+TOPO8 = Topology.simulated(num_gpus=8, gpus_per_node=2, nodes_per_level=[("block", 2)])
+WORK = Workload(dense_params=1000, tp_fraction=0.0, examples_per_rank=0, sparse_lookups_per_example=0)
+S = 1000 * 2
+DATA_RING_CROSSING = 2 * 7 / 8 * S  # one pass of a ring over the data group, on the links that leave a block
+
+
+def hsdp_plan(zero_stage: int, **kw) -> ParallelPlan:
+    return ParallelPlan(world_size=8, dp_replicate=2, dp_shard=2, cp=2, sparse_shard=1, zero_stage=zero_stage, **kw)
+
+
+def test_deepspeed_zero3_hpz_gathers_backward_in_the_shard_group_and_the_rest_over_data():
+    """hpZ: the forward all-gather (primary partition) and the gradient reduce-scatter run over the whole
+    data group, across blocks; only the backward all-gather (secondary partition) stays in dp_shard.
+    There is no all-reduce across replicas."""
+    per = step_bytes(hsdp_plan(3), TOPO8, WORK)
+    assert set(per) == {"data/all_gather_params_forward", "dp_shard/all_gather_params_backward",
+                        "data/reduce_scatter_grads"}
+    assert per["data/reduce_scatter_grads"]["cluster"] == pytest.approx(DATA_RING_CROSSING)
+    assert per["data/all_gather_params_forward"]["cluster"] == pytest.approx(DATA_RING_CROSSING)
+    # 4 dp_shard groups x 2 ranks x 1/2 x S, all on block links
+    assert per["dp_shard/all_gather_params_backward"] == pytest.approx({"block": 4 * 2 * 0.5 * S})
+    assert cross_block_bytes(per, TOPO8) == pytest.approx(2 * DATA_RING_CROSSING)
+
+
+def test_deepspeed_zero3_without_replicas_gathers_twice_over_data():
+    # dp_shard alone (no replicas): no hpZ, both all-gathers and the reduce-scatter over data (= dp_shard x cp)
+    plan = ParallelPlan(world_size=8, dp_shard=4, cp=2, sparse_shard=1, zero_stage=3)
+    per = step_bytes(plan, TOPO8, WORK)
+    assert set(per) == {"data/all_gather_params", "data/reduce_scatter_grads"}
+    assert per["data/all_gather_params"]["cluster"] == pytest.approx(2 * DATA_RING_CROSSING)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_deepspeed_zero12_reduce_and_gather_over_the_whole_data_group(zero_stage):
+    """ZeRO-1/2 partition over all data ranks: the gradients are all-reduced (use_multi_rank_bucket_allreduce)
+    and the updated partitions all-gathered over data; nothing runs over dp_shard or dp_replicate alone."""
+    per = step_bytes(hsdp_plan(zero_stage), TOPO8, WORK)
+    assert set(per) == {"data/all_reduce_grads", "data/all_gather_params"}
+    assert per["data/all_reduce_grads"]["cluster"] == pytest.approx(2 * DATA_RING_CROSSING)
+    assert per["data/all_gather_params"]["cluster"] == pytest.approx(DATA_RING_CROSSING)
+    # the replica split changes nothing for ZeRO: one shard group over all 8 data ranks moves the same bytes
+    flat = ParallelPlan(world_size=8, dp_shard=4, cp=2, sparse_shard=1, zero_stage=zero_stage)
+    assert step_bytes(flat, TOPO8, WORK) == per
+
+
+def test_deepspeed_zero0_all_reduces_over_data():
+    per = step_bytes(hsdp_plan(0), TOPO8, WORK)
+    assert set(per) == {"data/all_reduce_grads"}
+    assert per["data/all_reduce_grads"]["cluster"] == pytest.approx(2 * DATA_RING_CROSSING)
+
+
+def test_deepspeed_shards_outside_are_all_reduced_over_their_replicas():
+    """ep / sparse_shard at ZeRO-2: experts and rows stay out of DeepSpeed (not in the data-group traffic);
+    sync_parameter_gradients all-reduces them over expert_data / sparse_replica."""
+    plan = ParallelPlan(world_size=8, dp_replicate=2, dp_shard=4, ep=2, sparse_shard=4, zero_stage=2)
+    work = Workload(dense_params=1000, tp_fraction=0.0, num_experts=2, expert_params=100, examples_per_rank=0,
+                    sparse_lookups_per_example=0, sparse_params=400)
+    per = step_bytes(plan, TOPO8, work)
+    assert per["data/all_gather_params"]["cluster"] == pytest.approx(DATA_RING_CROSSING)  # dense only
+    # expert_data [0,2,4,6], [1,3,5,7]: one expert (200 bytes) each, all-reduced; 2 of 4 links leave a block
+    assert sum(per["expert_data/all_reduce_grads"].values()) == pytest.approx(2 * 4 * 0.75 * 200 * 2)
+    # sparse_replica [0,4] ... [3,7]: 100 rows' gradient bytes (200) each, all across blocks
+    assert per["sparse_replica/all_reduce_grads"] == pytest.approx({"cluster": 4 * 2 * 0.5 * 200 * 2})
+
+
+def test_deepspeed_model_refuses_what_deepspeed_cannot_run():
+    from gem.parallel.plan import PlanError
+
+    with pytest.raises(PlanError, match="ep=2"):
+        step_bytes(ParallelPlan(world_size=8, dp_shard=8, ep=2, sparse_shard=1, zero_stage=3), TOPO8, WORK)
+    step_bytes(ParallelPlan(world_size=8, dp_shard=8, ep=2, sparse_shard=1, zero_stage=3), TOPO8, WORK,
+               zero_model="hsdp")
+
+
+def test_busiest_rank_sees_the_whole_tensor_at_a_data_ring_crossing():
+    """Total cross-block bytes flatter one big ring (few crossings); the rank at a crossing sends the whole
+    tensor per pass. hpZ saves one pass of three; the ideal HSDP sends a 1/(dp_shard x cp) shard."""
+    from gem.parallel.comm_model import busiest_rank_cross_block_bytes
+
+    hpz = busiest_rank_cross_block_bytes(hsdp_plan(3), TOPO8, WORK)
+    flat = busiest_rank_cross_block_bytes(ParallelPlan(world_size=8, dp_shard=4, cp=2, sparse_shard=1, zero_stage=3),
+                                          TOPO8, WORK)
+    assert hpz == pytest.approx(2 * 7 / 8 * S) and flat == pytest.approx(3 * 7 / 8 * S)
+    ideal = busiest_rank_cross_block_bytes(hsdp_plan(3), TOPO8, WORK, zero_model="hsdp")
+    assert ideal == pytest.approx(2 * 0.5 * S / 4)  # all-reduce of the 1/4 shard between 2 replicas
+
+
 def test_topology_aware_plan_moves_fewer_cross_block_bytes():
     topo = Topology.simulated(num_gpus=256, gpus_per_node=8, nodes_per_level=[("block", 8)])
+    work = Workload(dense_params=10**8, num_experts=4, expert_params=10**7, examples_per_rank=64, tokens_per_example=128)
+    # the ideal HSDP (ep and sparse shards at ZeRO-3, which DeepSpeed refuses)
     aware = ParallelPlan(world_size=256, dp_replicate=4, dp_shard=32, ep=2, tp=2, zero_stage=3)
     flat = ParallelPlan(world_size=256, dp_replicate=1, dp_shard=128, ep=2, tp=2, sparse_shard=128, zero_stage=3)
-    work = Workload(dense_params=10**8, num_experts=4, expert_params=10**7, examples_per_rank=64, tokens_per_example=128)
-    chosen = cross_block_bytes(step_bytes(aware, topo, work), topo)
-    blind = cross_block_bytes(step_bytes(flat, topo, work, node_order=shuffled_nodes(topo.num_nodes)), topo)
+    chosen = cross_block_bytes(step_bytes(aware, topo, work, zero_model="hsdp"), topo)
+    blind = cross_block_bytes(step_bytes(flat, topo, work, node_order=shuffled_nodes(topo.num_nodes),
+                                         zero_model="hsdp"), topo)
     assert 0 < chosen < blind / 10
     # the per-collective split: tp stays on NVLink, only dp_replicate leaves the block
-    per = step_bytes(aware, topo, work)
+    per = step_bytes(aware, topo, work, zero_model="hsdp")
     assert set(per["tp/all_reduce_activations"]) == {"node"}
     assert set(per["dp_replicate/all_reduce_grads"]) == {"cluster"}
+    # DeepSpeed (ZeRO-3 + hpZ, ep = sparse_shard = 1): fewer bytes still, but the data group's ring leaves
+    # the block too
+    aware = ParallelPlan(world_size=256, dp_replicate=4, dp_shard=32, tp=2, sparse_shard=1, zero_stage=3)
+    flat = ParallelPlan(world_size=256, dp_shard=128, tp=2, sparse_shard=1, zero_stage=3)
+    per = step_bytes(aware, topo, work)
+    chosen = cross_block_bytes(per, topo)
+    blind = cross_block_bytes(step_bytes(flat, topo, work, node_order=shuffled_nodes(topo.num_nodes)), topo)
+    assert 0 < chosen < blind
+    assert "cluster" not in per["dp_shard/all_gather_params_backward"]
+    assert "cluster" in per["data/reduce_scatter_grads"] and "cluster" in per["data/all_gather_params_forward"]
 
 
 def test_benchmark_writes_the_ratio(tmp_path):
@@ -184,7 +301,10 @@ def test_benchmark_writes_the_ratio(tmp_path):
     assert doc["cross_block_bytes_ratio"] > 1
     cluster = doc["clusters"][0]
     assert cluster["topology"]["levels"][1]["nodes"] == 32 and cluster["topology"]["numNodes"] == 128
-    assert set(cluster["chosen"]["bytes"]) >= {"dp_shard/all_gather_params", "dp_replicate/all_reduce_grads"}
+    # DeepSpeed ZeRO-3 + hpZ: backward all-gathers in the shard group, the rest over the data group
+    assert set(cluster["chosen"]["bytes"]) >= {"data/all_gather_params_forward", "dp_shard/all_gather_params_backward",
+                                                "data/reduce_scatter_grads"}
+    assert "dp_replicate/all_reduce_grads" not in cluster["chosen"]["bytes"]
     assert (tmp_path / "parallel.png").stat().st_size > 0
 
 

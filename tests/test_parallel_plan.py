@@ -155,6 +155,31 @@ def test_auto_plan_puts_talkative_dims_on_fast_links():
         assert dim in reason
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_reason_says_deepspeed_partitions_zero_over_every_data_rank(zero_stage):
+    """DeepSpeed partitions ZeRO over the whole data group (comm_model.py cites its source): the replicas do
+    not just all-reduce a gradient shard; only ZeRO-3's hpZ keeps its backward all-gathers in the block."""
+    from gem.parallel.plan import deepspeed_auto_dims
+
+    hints = ModelShapeHints(dense_params=1_500_000_000, hidden_dim=8192, max_seq_len=32768)
+    allowed, why_not = deepspeed_auto_dims(zero_stage)
+    plan, reason = auto_plan(1024, sim(), hints, zero_stage=zero_stage, allowed=allowed, why_not=why_not)
+    clauses = dict(c.split(": ", 1) for c in reason.split("; "))  # one clause per decision
+    replicate = clauses[f"dp_replicate={plan.dp_replicate}"]
+    assert plan.dp_replicate > 1 and "gradient shard" not in reason
+    assert f"all {plan.data_world} data ranks" in replicate
+    if zero_stage == 3:
+        assert "hpZ" in clauses[f"dp_shard={plan.dp_shard}"] and "backward parameter all-gathers" in reason
+        assert "forward parameter all-gather and the gradient reduce-scatter span every replica" in replicate
+    elif zero_stage:
+        assert f"ZeRO-{zero_stage} itself partitions over all data ranks" in clauses[f"dp_shard={plan.dp_shard}"]
+        assert "gradient all-reduce and the parameter all-gather span every replica" in replicate
+    # inside one block there is one replica, and ZeRO's group is the block's data ranks
+    plan, reason = auto_plan(256, sim(256), hints, zero_stage=3, allowed=allowed, why_not=why_not)
+    if zero_stage:
+        assert plan.dp_replicate == 1 and "ZeRO-3 partitions over every data rank, all in one block" in reason
+
+
 def test_auto_plan_small_model_is_plain_hsdp():
     plan, reason = auto_plan(1024, sim(), ModelShapeHints(dense_params=10**8, hidden_dim=1024))
     assert (plan.tp, plan.cp, plan.ep, plan.dp_shard, plan.dp_replicate) == (1, 1, 1, 256, 4)

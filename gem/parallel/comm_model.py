@@ -9,11 +9,33 @@ Model (deliberately simple, stated so it can be checked):
     that level, summed over every rank of the job.
   * ranks sit where the placement puts them: `node_order[k]` is the physical slot of node rank k
     (identity under Kueue TAS; a shuffle for a topology-blind scheduler).
-What is moved per step comes from `Workload` (bf16 everywhere):
-  dp_shard     ZeRO-3: all-gather params in forward and again in backward, reduce-scatter grads
-               (ZeRO-1/2: one reduce-scatter of grads + one all-gather of updated params), over
-               dp_shard x cp: cp ranks see different sequences, so they are data ranks too
-  dp_replicate all-reduce of the 1/(dp_shard x cp) gradient shard (HSDP)
+What is moved per step comes from `Workload` (bf16 everywhere). ZeRO, two models:
+  "deepspeed" (default: what the trainer runs, DeepSpeed 0.19 configured by deepspeed_config.py).
+  DeepSpeed's data-parallel group is the plan's `data` group (dp_replicate x dp_shard x cp, one per tp
+  index: the mpu's get_data_parallel_group), and every ZeRO stage partitions over all of it:
+    ZeRO-0    all-reduce of the gradients over data (engine.py buffered_allreduce_fallback ->
+              _reduce_non_expert_gradients)
+    ZeRO-1/2  all-reduce of the gradients over data: stage_1_and_2.py average_tensor puts every
+              slice in one ("allreduce", group) bucket while use_multi_rank_bucket_allreduce (default
+              True) -> allreduce_and_scatter -> allreduce_bucket (dist.all_reduce); then step()
+              all-gathers the updated bit16 partitions over data (all_gather_dp_groups)
+    ZeRO-3    all-gather of the parameters in forward and again in backward, reduce-scatter of the
+              gradients (stage3.py __avg_scatter_grads -> reduce_scatter_coalesced), all over data
+    ZeRO-3 + hpZ (dp_replicate > 1 and dp_shard > 1: zero_hpz_partition_size = dp_shard, secondary
+              group = the plan's dp_shard group): the forward all-gather still runs over data
+              (stage3.py _post_step -> invalidate_secondary_tensor drops the secondary copy every
+              step, so partition_parameters.py all_gather_coalesced finds none and uses the param's
+              ds_process_group); releasing a gathered param fills the secondary copy locally
+              (_partition_param_sec, no collective); the backward all-gather runs over dp_shard
+              (zero_param_process_group); the gradient reduce-scatter still runs over data.
+    Expert / embedding-row shards (ep, sparse_shard > 1, ZeRO-1/2 only: check_deepspeed_plan) stay
+    outside DeepSpeed; sync_parameter_gradients all-reduces their gradients over expert_data /
+    sparse_replica. Ignored: scalar norm / overflow all-reduces, the post-step all-gather of
+    persistent (small) ZeRO-3 params.
+  "hsdp": the ideal HSDP (FSDP2 / torchtitan), kept for comparison: ZeRO-3 collectives (or ZeRO-1/2's
+  reduce-scatter + all-gather) over dp_shard x cp only, and across dp_replicate an all-reduce of the
+  1/(dp_shard x cp) gradient shard; experts are counted as sharded like dense parameters.
+Other groups, both models:
   tp           one all-reduce of activations per MLP in forward and one in backward (Megatron)
   ep           all-gather of expert inputs + reduce-scatter of outputs, forward and backward
   cp           all-gather of keys/values per sequence layer forward, reduce-scatter of their grads
@@ -30,7 +52,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gem.parallel.plan import MESH_AXES, ParallelPlan
+from gem.parallel.plan import MESH_AXES, ParallelPlan, check_deepspeed_plan
 from gem.parallel.topology import Topology
 
 BYTES = 2  # bf16
@@ -61,6 +83,12 @@ class Workload:
     """Sequence layers whose keys/values context parallelism exchanges."""
     sparse_lookups_per_example: int = 512
     sparse_dim: int = 128
+    sparse_params: int = 0
+    """Elements of the row-sharded tables: with sparse_shard > 1 each rank all-reduces its rows'
+    gradients over sparse_replica (sync_parameter_gradients, dense); 0: not counted."""
+
+#: ZeRO models step_bytes knows: what the trainer runs (DeepSpeed) and the ideal HSDP, for comparison.
+ZERO_MODELS = ("deepspeed", "hsdp")
 
 
 def _ring(group: Sequence[int], per_rank_bytes: float):
@@ -81,6 +109,8 @@ class _Counter:
         order = list(node_order) if node_order is not None else list(range(topology.num_nodes))
         self.phys = [order[r // ppn] * ppn + r % ppn for r in range(topology.world_size)]
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.outside = {lvl.name for lvl in topology.levels if lvl.size > topology.block.size}
+        self.sent_outside: dict[int, float] = defaultdict(float)  # rank -> bytes it sends out of its block
 
     def add(self, collective: str, links) -> None:
         for a, b, nbytes in links:
@@ -88,6 +118,8 @@ class _Counter:
                 continue
             level = self.topo.common_level(self.phys[a], self.phys[b]).name
             self.bytes[collective][level] += nbytes
+            if level in self.outside:
+                self.sent_outside[a] += nbytes
 
     def ring(self, collective: str, groups, total_bytes: float, *, times: float = 1.0) -> None:
         """Ring all-gather/reduce-scatter of total_bytes (the full tensor) in each group, `times` times."""
@@ -125,36 +157,59 @@ def layout_groups(plan: ParallelPlan, axis_order: Sequence[str] = MESH_AXES) -> 
     # ZeRO's group: dp_shard and the cp ranks (different sequences, so their gradients are reduced too)
     zero = groups_over(["dp_shard_mod_ep", "ep", "cp"])
     if list(axis_order) == list(MESH_AXES):
-        return {**{name: plan.group_ranks(name) for name in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "sparse")},
+        return {**{name: plan.group_ranks(name) for name in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "sparse",
+                                                             "data", "expert_data", "sparse_replica")},
                 "dp_shard_cp": zero}
     data_axes = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp")
-    sparse = []
-    for data_group in groups_over(data_axes):  # one per tp index, in canonical data order
+    data = groups_over(data_axes)  # one per tp index, in canonical data order
+    sparse, sparse_replica = [], []
+    for data_group in data:
         s = plan.sparse_shard
-        sparse += [data_group[i:i + s] for i in range(0, len(data_group), s)]
+        chunks = [data_group[i:i + s] for i in range(0, len(data_group), s)]
+        sparse += chunks
+        sparse_replica += [list(col) for col in zip(*chunks)]
     return {"tp": groups_over(["tp"]), "cp": groups_over(["cp"]), "ep": groups_over(["ep"]),
             "dp_shard": groups_over(["dp_shard_mod_ep", "ep"]), "dp_replicate": groups_over(["dp_replicate"]),
-            "sparse": sparse, "dp_shard_cp": zero}
+            "sparse": sparse, "sparse_replica": sparse_replica, "data": data,
+            "expert_data": groups_over(["dp_replicate", "dp_shard_mod_ep", "cp"]), "dp_shard_cp": zero}
 
 
 def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
-               axis_order: Sequence[str] = MESH_AXES, node_order: Sequence[int] | None = None) -> dict[str, dict[str, float]]:
-    """{collective: {level name: bytes}} for one training step of the whole job."""
+               axis_order: Sequence[str] = MESH_AXES, node_order: Sequence[int] | None = None,
+               zero_model: str = "deepspeed") -> dict[str, dict[str, float]]:
+    """{collective: {level name: bytes}} for one training step of the whole job.
+
+    `zero_model`: "deepspeed" (what the trainer runs; PlanError for a plan DeepSpeed cannot run) or
+    "hsdp" (the ideal HSDP, for comparison). See the module docstring.
+    """
+    c = _count(plan, topology, work, axis_order, node_order, zero_model)
+    return {k: dict(v) for k, v in sorted(c.bytes.items())}
+
+
+def busiest_rank_cross_block_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
+                                   axis_order: Sequence[str] = MESH_AXES, node_order: Sequence[int] | None = None,
+                                   zero_model: str = "deepspeed") -> float:
+    """Bytes the busiest rank sends out of its block in one step (its NIC's load; arguments as step_bytes).
+
+    A ring runs at the pace of its slowest link: one big ring crossing a few block boundaries moves
+    few cross-block bytes in total, but each crossing carries the whole tensor at block-link speed.
+    """
+    c = _count(plan, topology, work, axis_order, node_order, zero_model)
+    return max(c.sent_outside.values(), default=0.0)
+
+
+def _count(plan: ParallelPlan, topology: Topology, work: Workload, axis_order: Sequence[str],
+           node_order: Sequence[int] | None, zero_model: str) -> _Counter:
+    if zero_model not in ZERO_MODELS:
+        raise ValueError(f"zero_model {zero_model!r}; known: {', '.join(ZERO_MODELS)}")
     groups = layout_groups(plan, axis_order)
     c = _Counter(topology, node_order)
     dense_local = work.dense_params * (1 - work.tp_fraction + work.tp_fraction / plan.tp) * BYTES
     experts_local = work.num_experts * work.expert_params / plan.ep * BYTES
-    shardable = dense_local + experts_local
-    zero = groups["dp_shard_cp"]  # cp ranks are data ranks: ZeRO shards over dp_shard x cp (torchtitan's dp_shard_cp)
-    if plan.zero_stage == 3:
-        c.ring("dp_shard/all_gather_params", zero, shardable, times=2)  # forward + backward
-        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
-    elif plan.zero_stage in (1, 2):
-        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
-        c.ring("dp_shard/all_gather_params", zero, shardable)
+    if zero_model == "deepspeed":
+        _deepspeed_zero(c, plan, groups, work, dense_local, experts_local)
     else:
-        c.ring("dp_shard/all_reduce_grads", zero, shardable, times=2)
-    c.ring("dp_replicate/all_reduce_grads", groups["dp_replicate"], shardable / (plan.dp_shard * plan.cp), times=2)
+        _hsdp_zero(c, plan, groups, dense_local + experts_local)
     # activations of the examples one rank computes on (cp ranks share examples)
     examples = work.examples_per_rank
     act = examples * work.interaction_tokens * work.d_model * BYTES
@@ -166,7 +221,48 @@ def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
     c.ring("cp/reduce_scatter_kv_grads", groups["cp"], kv, times=work.seq_layers)
     rows = examples * work.sparse_lookups_per_example * work.sparse_dim * BYTES
     c.all_to_all("sparse/all_to_all_rows", groups["sparse"], rows, times=2)  # forward rows + backward grads
-    return {k: dict(v) for k, v in sorted(c.bytes.items())}
+    return c
+
+
+def _deepspeed_zero(c: _Counter, plan: ParallelPlan, groups, work: Workload, dense_local: float,
+                    experts_local: float) -> None:
+    """DeepSpeed 0.19's ZeRO collectives (module docstring): every stage over the whole data group."""
+    check_deepspeed_plan(plan)  # ep / sparse_shard > 1 only at ZeRO-1/2, with their shards outside DeepSpeed
+    data = groups["data"]
+    # experts split by ep are stepped outside DeepSpeed (split_for_deepspeed); unsplit ones are its params
+    params = dense_local + (experts_local if plan.ep == 1 else 0.0)
+    if plan.zero_stage == 3:
+        if plan.hsdp_enabled:  # hpZ: only the backward all-gather uses the secondary (dp_shard) partition
+            c.ring("data/all_gather_params_forward", data, params)
+            c.ring("dp_shard/all_gather_params_backward", groups["dp_shard"], params)
+        else:
+            c.ring("data/all_gather_params", data, params, times=2)  # forward + backward
+        c.ring("data/reduce_scatter_grads", data, params)
+    elif plan.zero_stage in (1, 2):
+        c.ring("data/all_reduce_grads", data, params, times=2)
+        c.ring("data/all_gather_params", data, params)  # the updated partitions, after step()
+    else:
+        c.ring("data/all_reduce_grads", data, params, times=2)
+    # the shards kept outside: sync_parameter_gradients all-reduces them over their replicas
+    if plan.ep > 1:
+        c.ring("expert_data/all_reduce_grads", groups["expert_data"], experts_local, times=2)
+    if plan.sparse_shard > 1 and work.sparse_params:
+        c.ring("sparse_replica/all_reduce_grads", groups["sparse_replica"],
+               work.sparse_params / plan.sparse_shard * BYTES, times=2)
+
+
+def _hsdp_zero(c: _Counter, plan: ParallelPlan, groups, shardable: float) -> None:
+    """The ideal HSDP: ZeRO inside dp_shard x cp, the 1/(dp_shard x cp) gradient shard across replicas."""
+    zero = groups["dp_shard_cp"]  # cp ranks are data ranks: ZeRO shards over dp_shard x cp (torchtitan's dp_shard_cp)
+    if plan.zero_stage == 3:
+        c.ring("dp_shard/all_gather_params", zero, shardable, times=2)  # forward + backward
+        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
+    elif plan.zero_stage in (1, 2):
+        c.ring("dp_shard/reduce_scatter_grads", zero, shardable)
+        c.ring("dp_shard/all_gather_params", zero, shardable)
+    else:
+        c.ring("dp_shard/all_reduce_grads", zero, shardable, times=2)
+    c.ring("dp_replicate/all_reduce_grads", groups["dp_replicate"], shardable / (plan.dp_shard * plan.cp), times=2)
 
 
 def level_totals(per_collective: dict[str, dict[str, float]]) -> dict[str, float]:

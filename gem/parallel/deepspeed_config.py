@@ -11,9 +11,12 @@ What DeepSpeed gets:
   * HSDP (dp_replicate > 1 and dp_shard > 1) at ZeRO-3: hierarchical partitioning (ZeRO++ hpZ),
     `zero_hpz_partition_size = dp_shard`, with the secondary partition group set to the plan's
     dp_shard group (DeepSpeed would otherwise take world-consecutive ranks, wrong once cp x tp > 1):
-    parameter all-gathers in forward and backward stay inside one shard group (one block);
-    gradients are reduce-scattered over the data group. MiCS, the exact HSDP, was removed from
-    DeepSpeed 0.19. At ZeRO-1/2 the optimizer state is partitioned over the whole data group.
+    only the backward parameter all-gathers stay inside one shard group (one block). The forward
+    all-gather still runs over the data group (stage3.py _post_step -> invalidate_secondary_tensor
+    drops the secondary copy after every step), and so does the gradient reduce-scatter. MiCS, the
+    exact HSDP, was removed from DeepSpeed 0.19. At ZeRO-1/2 the optimizer state is partitioned
+    over the whole data group: gradients are all-reduced and the updated parameters all-gathered
+    over it (gem/parallel/comm_model.py has the per-stage list with its sources).
   * tensor parallel: the mpu's model-parallel group is tp; sharded parameters carry
     `tensor_model_parallel` so gradient-norm clipping counts them once per shard.
   * context parallel: not DeepSpeed's Ulysses sequence parallelism (which splits attention heads and

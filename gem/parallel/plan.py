@@ -3,20 +3,21 @@
     world = dp_replicate x dp_shard x cp x tp          ep borrows from dp_shard (ep | dp_shard)
 
     mesh axes, outermost first (global rank = node_rank x procs_per_node + local_rank):
-        dp_replicate     HSDP replicas: gradient all-reduce of 1/dp_shard shards, once a step
+        dp_replicate     replicas of the shard group (DeepSpeed's ZeRO still spans them: see _replicate_why)
         dp_shard_mod_ep  the part of the ZeRO shard group outside the expert-parallel group
         ep               dense Wukong experts on different ranks (GEM-26: EP borrows data ranks)
         cp               context parallel: the sequences of one batch split across ranks
         tp               tensor parallel: big MLP / projection matrices split inside a node
 
-Derived groups (see `ParallelPlan.group_ranks`): dp_shard = (dp_shard_mod_ep, ep) is the ZeRO
-partition group; data = (dp_replicate, dp_shard_mod_ep, ep, cp) holds every rank that sees
-different examples or different sequences, and is the group dense gradients are averaged over;
+Derived groups (see `ParallelPlan.group_ranks`): dp_shard = (dp_shard_mod_ep, ep) is the shard group
+(for DeepSpeed the hpZ group at ZeRO-3 with replicas); data = (dp_replicate, dp_shard_mod_ep, ep, cp)
+holds every rank that sees different examples or different sequences, is the group dense gradients
+are averaged over and the group DeepSpeed partitions ZeRO over, at every stage;
 expert_data = data without ep holds the replicas of one expert; sparse groups row-shard the
 embedding tables over `sparse_shard` consecutive data ranks and sparse_replica joins the copies.
 
 tp is innermost so its groups are consecutive local ranks of one node; ep and cp come next so
-their groups stay inside a block; dp_replicate is outermost so only it crosses blocks.
+their groups stay inside a block; dp_replicate is outermost so only it (and the data group) crosses blocks.
 Torch-free: the operator validates and logs the same plan.
 """
 
@@ -74,7 +75,7 @@ class ParallelPlan:
     dp_replicate: int = 1
     """HSDP replicas (outermost axis); -1 means the ranks left after the others."""
     dp_shard: int = -1
-    """ZeRO partition group size; -1 means the ranks left after the others."""
+    """Shard group size (DeepSpeed: the hpZ group at ZeRO-3 with replicas); -1 means the ranks left after the others."""
     ep: int = 1
     """Expert-parallel degree, carved from dp_shard: the experts are split over ep ranks."""
     cp: int = 1
@@ -84,7 +85,7 @@ class ParallelPlan:
     sparse_shard: int = 0
     """Data ranks that row-shard each big embedding table; 0 means dp_shard x cp (one HSDP shard group)."""
     zero_stage: int = 1
-    """DeepSpeed ZeRO stage applied over the dp_shard group (0: plain data parallel)."""
+    """DeepSpeed ZeRO stage, partitioned over the data group (0: plain data parallel; see _replicate_why)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: resolve -1 / 0 defaults in place
@@ -512,16 +513,15 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
                        f"shards, more than one {topology.block.name} holds, so ZeRO shards cross "
                        f"{_level_for(topology, dp_shard * cp * tp)} boundaries")
         else:
-            why.append(f"dp_shard={dp_shard}: ZeRO-{zero_stage} shards over every data rank of one "
-                       f"{_level_for(topology, dp_shard * cp * tp)}, so parameter all-gathers and gradient "
-                       f"reduce-scatters stay on its links")
+            why.append(f"dp_shard={dp_shard}: " + _shard_why(zero_stage, data_world // dp_shard, dp_shard,
+                                                             _level_for(topology, dp_shard * cp * tp)))
     dp_replicate = replicate_given if replicate_given >= 1 else max(1, data_world // dp_shard)
     if replicate_given >= 1:
         why.append(f"dp_replicate={dp_replicate}: {given}")
     else:
         why.append(f"dp_replicate={dp_replicate}: " + (
-        f"one replica per {_level_for(topology, dp_shard * cp * tp)}, only the gradient shards "
-        f"(1/{dp_shard} of the model) are all-reduced across them" if dp_replicate > 1 else "a single replica"))
+            _replicate_why(zero_stage, data_world * cp, dp_shard, _level_for(topology, dp_shard * cp * tp))
+            if dp_replicate > 1 else "a single replica"))
 
     # sparse: row-wise shards inside the shard group (all-to-all stays in the block) unless too big.
     sparse = fixed.get("sparse_shard", dp_shard * cp if "sparse_shard" in allowed else 1)
@@ -543,6 +543,36 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
                         tp=tp, sparse_shard=sparse, zero_stage=zero_stage)
     plan.validate(topology)
     return plan, "; ".join(why)
+
+
+# What DeepSpeed 0.19 does with the split (gem/parallel/comm_model.py cites its source): ZeRO partitions
+# over the whole data group (dp_replicate x dp_shard x cp) at every stage; only ZeRO-3 with hpZ
+# (dp_replicate > 1 and dp_shard > 1) uses the dp_shard group, for its backward all-gathers.
+def _shard_why(zero_stage: int, replicas: int, dp_shard: int, where: str) -> str:
+    if replicas == 1:
+        return (f"ZeRO-{zero_stage} partitions over every data rank, all in one {where}, so its all-gathers "
+                f"and gradient reductions stay on its links")
+    if zero_stage == 3 and dp_shard > 1:
+        return (f"every data rank of one {where} forms an hpZ (ZeRO++) group, which keeps ZeRO-3's backward "
+                f"parameter all-gathers on its links")
+    if zero_stage == 3:
+        return f"one shard per {where}, so no hpZ group (ZeRO-3 partitions over all data ranks)"
+    return (f"every data rank of one {where}, the group the expert and embedding-row groups are carved from "
+            f"(ZeRO-{zero_stage} itself partitions over all data ranks)")
+
+
+def _replicate_why(zero_stage: int, data_world: int, dp_shard: int, where: str) -> str:
+    if zero_stage == 3 and dp_shard == 1:  # no hpZ without a shard group
+        return (f"one replica per {where}: ZeRO-3 partitions over all {data_world} data ranks, so both parameter "
+                f"all-gathers and the gradient reduce-scatter span every replica")
+    if zero_stage == 3:
+        return (f"one hpZ group per {where}, but ZeRO-3 partitions over all {data_world} data ranks, so the "
+                f"forward parameter all-gather and the gradient reduce-scatter span every replica")
+    if zero_stage in (1, 2):
+        return (f"one group per {where} for the expert and embedding-row groups, but ZeRO-{zero_stage} partitions "
+                f"over all {data_world} data ranks, so the gradient all-reduce and the parameter all-gather span "
+                f"every replica")
+    return f"one group per {where}, and ZeRO-0 all-reduces the gradients over all {data_world} data ranks"
 
 
 def _level_for(topology: Topology, span: int) -> str:
