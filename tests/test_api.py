@@ -142,6 +142,9 @@ def test_job_names_are_deterministic_and_fit_a_service_name():
         ({"model": {"embeddingDim": 30, "numHeads": 4}}, "numHeads"),
         ({"data": {"source": "parquet"}}, "data.path"),
         ({"mlflow": {"trackingUri": "https://bob:secret@mlflow"}}, "credentialsSecret"),
+        # numpy would reuse smaller seeds' streams for these (seed 2^32's train split is seed 0's eval split)
+        ({"data": {"synthetic": {"seed": 2**32}}}, "data.synthetic.seed"),
+        ({"training": {"seed": 2**32}}, "training.seed"),
     ],
 )
 def test_bad_specs_name_the_field(spec, field):

@@ -98,7 +98,9 @@ class DataSourceKind(str, Enum):
 class SyntheticDataSpec(ApiModel):
     """A seeded synthetic ads world with known click and conversion probabilities."""
 
-    seed: int = Field(0, ge=0, description="World seed: a different seed is a held-out world.")
+    # numpy splits a seed >= 2^32 into 32-bit words and drops trailing zero words, so such seeds
+    # would reuse smaller seeds' random streams (seed 2^32's train split is seed 0's eval split)
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="World seed: a different seed is a held-out world.")
     num_users: int = Field(2000, ge=1, description="Distinct users.")
     num_ads: int = Field(500, ge=1, description="Distinct ads.")
     num_train_examples: int = Field(20000, ge=1, description="Training impressions generated.")
@@ -214,7 +216,7 @@ class TrainingSpec(ApiModel):
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables clipping.")
     precision: Precision = Field(Precision.fp32, description="Matmul precision: fp32, bf16 autocast or mxfp8.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
-    seed: int = Field(0, ge=0, description="Seed of parameter init and data order.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of parameter init and data order.")
     deepspeed: dict[str, Any] | None = Field(
         None,
         description="Extra DeepSpeed config merged over the one derived from this spec (expert use).",
