@@ -275,3 +275,37 @@ def test_the_documented_exit_code_example_works(tmp_path, code, says):
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", "-c", _exit_code_example()], capture_output=True, text=True, env=env, timeout=30)
     assert says in out.stdout, out
+
+
+def test_metrics_from_an_unreachable_in_cluster_mlflow_fails_soon_and_says_why(kubeapi, monkeypatch):
+    # The job's trackingUri is where the trainer reaches MLflow; from a laptop it often answers
+    # nothing useful. MLflow alone would retry for about 4 minutes before gemctl could say so.
+    import http.server
+
+    requests = []
+
+    class Unavailable(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)  # restored after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # retry at once: a quick test
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        kubeapi.create("gem.dev/v1alpha1", "GEMTraining", {"metadata": {"name": "far"}, "spec": {
+            "training": {"steps": 3}, "mlflow": {"trackingUri": uri}}})
+        r = gemctl("metrics", "gt", "far", "--kubeconfig", str(kubeapi.kubeconfig_path))
+    finally:
+        server.shutdown()
+    assert r.exit_code == 5, r.output
+    assert f"MLflow at {uri}" in r.stderr and "spec.mlflow.trackingUri" in r.stderr
+    assert "--mlflow-tracking-uri" in r.stderr
+    assert 1 <= len(requests) <= 3  # the first request and at most 2 retries

@@ -349,3 +349,166 @@ def test_logs_work_with_kubernetes_clients_before_35(client, kubeapi, monkeypatc
 
     threading.Thread(target=create_job_later, daemon=True).start()
     assert list(client.logs("old", follow=True, timeout=30)) == ["hello"]
+
+
+# --------------------------------------------------------------------------- review: configuration
+
+
+def test_kubeconfig_env_set_after_import_is_used(kubeapi, tmp_path, monkeypatch):
+    # The kubernetes client reads $KUBECONFIG once, when it is imported; a notebook or a test that
+    # sets it later must still get that cluster, not ~/.kube/config or an error naming the wrong file.
+    import kubernetes  # noqa: F401  (imported before the variable is set)
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config to fall back on
+    monkeypatch.setenv("KUBECONFIG", str(kubeapi.kubeconfig_path))
+    client = GEMClient(KubernetesBackendConfig())
+    client.submit(manifest("env"))
+    assert [o.metadata.name for o in client.list()] == ["env"]
+
+
+# --------------------------------------------------------------------------- review: auth errors
+
+
+def test_unauthorized_says_to_renew_credentials(client, kubeapi):
+    kubeapi.faults.add(path=r"/gemtrainings", status=401, message="Unauthorized", times=1)
+    with pytest.raises(BackendError) as info:
+        client.get("x")
+    msg = str(info.value)
+    assert info.value.status == 401 and "failed to get GEMTraining default/x" in msg
+    assert "credentials" in msg and "RBAC" not in msg  # a 401 is not a missing permission
+
+
+def test_forbidden_names_the_rbac_verb_and_resource(client, kubeapi):
+    client.submit(manifest("rbac"))
+    kubeapi.faults.add(method="PATCH", path=r"/gemtrainings", status=403, times=1, message=(
+        'gemtrainings.gem.dev "rbac" is forbidden: User "bob" cannot patch resource "gemtrainings" '
+        'in API group "gem.dev" in the namespace "default"'))
+    with pytest.raises(BackendError) as info:
+        client.update("rbac", labels={"a": "b"})
+    msg = str(info.value)
+    assert info.value.status == 403 and "cannot patch resource" in msg
+    assert "kubectl auth can-i patch gemtrainings.gem.dev -n default" in msg
+    # A 403 that is not RBAC's (an admission webhook, a namespace being deleted) gets no RBAC advice.
+    kubeapi.faults.add(method="PATCH", path=r"/gemtrainings", status=403, times=1, message=(
+        'admission webhook "validate.kyverno.svc" denied the request: team label required'))
+    with pytest.raises(BackendError) as info:
+        client.update("rbac", labels={"a": "b"})
+    assert "team label required" in str(info.value) and "RBAC" not in str(info.value)
+    # wait lists and watches: the permission to ask for is list/watch, not get.
+    kubeapi.faults.add(method="GET", path=r"/gemtrainings\?", status=403, times=1, message=(
+        'gemtrainings.gem.dev is forbidden: User "bob" cannot list resource "gemtrainings" in API group "gem.dev" '
+        'in the namespace "default"'))
+    with pytest.raises(BackendError, match="kubectl auth can-i list gemtrainings.gem.dev -n default"):
+        client.wait("rbac", timeout=5)
+    kubeapi.faults.add(method="GET", path=r"/pods/.*/log", status=403, times=1, message=(
+        'pods "rbac-train-master-0" is forbidden: User "bob" cannot get resource "pods/log" in API group "" '
+        'in the namespace "default"'))
+    kubeapi.create("v1", "Pod", {"metadata": {"name": "rbac-train-master-0"}})
+    kubeapi.patch_status("v1", "Pod", "rbac-train-master-0", {"phase": "Running"})
+    with pytest.raises(BackendError, match="kubectl auth can-i get pods/log -n default"):
+        client.logs("rbac", timeout=5)
+
+
+# --------------------------------------------------------------------------- review: wait
+
+
+def test_wait_without_any_status_says_the_operator_has_not_seen_it(client):
+    client.submit(manifest("orphan"))
+    with pytest.raises(WaitTimeoutError) as info:
+        client.wait("orphan", timeout=0.5)
+    assert "phase None" not in str(info.value)
+    assert "no status yet" in str(info.value) and "gem operator" in str(info.value)
+
+
+def test_wait_on_a_job_deleted_and_submitted_again_raises_not_found(client, kubeapi):
+    client.submit(manifest("again"))
+
+    def replace(obj) -> None:
+        if obj.status is not None:
+            return
+        # Between the list and the watch: the job is deleted and submitted again (another uid,
+        # already Succeeded), and the watch fails with 410 Gone, so wait lists again.
+        kubeapi.faults.add(method="GET", path=r"gemtrainings.*watch=", status=410, times=1)
+        kubeapi.delete(API, "GEMTraining", "again")
+        kubeapi.create(API, "GEMTraining", manifest("again"))
+        kubeapi.patch_status(API, "GEMTraining", "again", {"phase": "Succeeded"})
+
+    with pytest.raises(NotFoundError, match="deleted while waiting"):
+        client.wait("again", timeout=20, callback=replace)
+
+
+def test_wait_lets_the_callbacks_own_errors_out(client, kubeapi):
+    # An OSError of the callback (say, its progress file) is not a dropped watch to retry.
+    client.submit(manifest("cb"))
+    calls = []
+
+    def callback(obj) -> None:
+        calls.append(obj)
+        if len(calls) == 2:
+            raise FileNotFoundError("progress.txt")
+
+    set_status_later(kubeapi, "cb", [{"phase": "Running"}, {"phase": "Succeeded"}])
+    with pytest.raises(FileNotFoundError, match="progress.txt"):
+        client.wait("cb", timeout=20, callback=callback)
+
+
+# --------------------------------------------------------------------------- review: logs
+
+
+def test_logs_of_a_suspended_job_without_pods_is_not_found_at_once(client, kubeapi):
+    client.submit({**manifest("held"), "spec": {"training": {"steps": 5}, "suspend": True}})
+    kubeapi.patch_status(API, "GEMTraining", "held", {"phase": "Suspended"})
+    with pytest.raises(NotFoundError, match="Suspended"):
+        client.logs("held", timeout=20)
+    # Resumed, but the operator has not recreated the pods yet: that is worth waiting for.
+    client.resume("held")
+    with pytest.raises(WaitTimeoutError):
+        client.logs("held", timeout=0.5)
+
+
+def test_logs_of_a_pod_that_never_started_in_a_job_that_ended(client, kubeapi):
+    # cleanPodPolicy None (the default) keeps a pod stuck in Pending after the job failed, e.g.
+    # an image that cannot be pulled and activeDeadlineSeconds: there will never be a log.
+    client.submit(manifest("stuck"))
+    kubeapi.create("v1", "Pod", {"metadata": {"name": "stuck-train-master-0"},
+                                 "spec": {"containers": [{"name": "pytorch", "image": "nope"}]}})
+    kubeapi.patch_status("v1", "Pod", "stuck-train-master-0", {"phase": "Pending", "containerStatuses": [
+        {"name": "pytorch", "restartCount": 0, "state": {"waiting": {"reason": "ImagePullBackOff"}}}]})
+    kubeapi.patch_status(API, "GEMTraining", "stuck", {"phase": "Failed", "conditions": [
+        {"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "deadline"}]})
+    with pytest.raises(NotFoundError, match="never started and the job is Failed"):
+        client.logs("stuck", follow=True, timeout=20)
+
+
+def test_logs_of_a_pod_deleted_just_after_it_started(client, kubeapi, monkeypatch):
+    # The pod goes (suspend, preemption, the job deleted) between seeing it start and reading its
+    # log: that is a missing pod, not missing CRDs.
+    client.submit(manifest("brief"))
+    kubeapi.create("v1", "Pod", {"metadata": {"name": "brief-train-master-0"}})
+    kubeapi.patch_status("v1", "Pod", "brief-train-master-0", {"phase": "Running"})
+    wait_for_pod = client.backend._wait_for_pod
+
+    def then_delete(*args, **kwargs):
+        wait_for_pod(*args, **kwargs)
+        kubeapi.delete("v1", "Pod", "brief-train-master-0")
+
+    monkeypatch.setattr(client.backend, "_wait_for_pod", then_delete)
+    with pytest.raises(NotFoundError, match="pod default/brief-train-master-0 of GEMTraining default/brief"):
+        client.logs("brief", timeout=20)
+
+
+def test_wait_rides_out_an_api_server_restart(client, kubeapi):
+    # A control-plane restart: the watch drops and the API answers 503 (or nothing) for a moment.
+    # The wait goes on once it is back, as kubectl's would, instead of failing a long training's wait.
+    client.submit(manifest("blip"))
+
+    def outage() -> None:
+        if kubeapi.faults.rules:
+            return  # one outage, during the first status change
+        kubeapi.faults.add(method="GET", path=r"/gemtrainings", status=503, times=3, watch=False,
+                           message="the server is currently unable to handle the request")
+        kubeapi.faults.add(method="GET", path=r"/gemtrainings", status=503, times=1, watch=True)
+        kubeapi.faults.drop_watches()
+
+    set_status_later(kubeapi, "blip", [{"phase": "Running"}, {"phase": "Succeeded"}], between=outage)
+    assert client.wait("blip", timeout=60).status.phase == "Succeeded"

@@ -36,8 +36,11 @@ def _run_id(client: Any, obj: Resource) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def metric_history(obj: Resource, tracking_uri: str | None, keys: Iterable[str] | None) -> dict[str, list[MetricPoint]]:
+def metric_history(obj: Resource, tracking_uri: str | None, keys: Iterable[str] | None, *,
+                   hint: str = "") -> dict[str, list[MetricPoint]]:
     """{metric key: its points ordered by step} of the job's MLflow run (every key when `keys` is None).
+
+    `hint` is added to the message when MLflow cannot be read (where else to look).
 
     Raises:
         ValidationError: MLflow logging is off for the job, or no tracking URI is known.
@@ -67,7 +70,7 @@ def metric_history(obj: Resource, tracking_uri: str | None, keys: Iterable[str] 
     except NotFoundError:
         raise
     except Exception as e:  # mlflow's own errors and the transport's: nothing of theirs leaks
-        raise BackendError(f"cannot read the metrics of {what} from MLflow at {tracking_uri}: {e}", **ref) from None
+        raise BackendError(f"cannot read the metrics of {what} from MLflow at {tracking_uri}: {e}{hint}", **ref) from None
     missing = [k for k, v in out.items() if not v]
     if keys is not None and missing and len(missing) == len(out):
         raise NotFoundError(f"the MLflow run {run_id} of {what} has no metric {', '.join(missing)}", **ref)

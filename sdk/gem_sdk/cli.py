@@ -481,6 +481,9 @@ def metrics(
     with _errors():
         kind = resolve_kind(kind)
         client = _client(local, kubeconfig, context, namespace, mlflow_tracking_uri)
+        # MLflow retries a failing request 7 times, over about 4 minutes (say, an in-cluster
+        # address that does not resolve here); a command should answer sooner. $MLFLOW_... wins.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         history = client.metrics(name, kind=kind, namespace=namespace, keys=key or None)
         if output is Output.table:
             _print_table(history_table(history, title=f"{kind} {name}: metric history"))

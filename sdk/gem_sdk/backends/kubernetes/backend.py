@@ -12,7 +12,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from gem.api.render import CONTAINER_NAME
-from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION
+from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION, Phase
 from gem_sdk._exceptions import BackendError, NotFoundError, WaitTimeoutError, describe
 from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
@@ -49,6 +49,11 @@ T = TypeVar("T")
 _WATCH_SEGMENT_S = 300
 #: Pause before re-listing after a dropped watch, so a flapping API is not hammered.
 _RELIST_PAUSE_S = 0.2
+#: How long `wait` keeps re-listing through an unreachable or unavailable API (a control-plane
+#: restart) before it gives up; the pause between tries doubles up to the second value.
+_OUTAGE_S, _OUTAGE_PAUSE_MAX_S = 300.0, 10.0
+#: Answers of an API server that is restarting or overloaded, worth another try.
+_TRANSIENT = frozenset({429, 500, 502, 503, 504})
 _CONNECT_TIMEOUT_S = 10
 
 
@@ -148,29 +153,53 @@ class KubernetesBackend(Backend):
         deadline = None if timeout is None else time.monotonic() + timeout
         plural, selector = _plural(kind), f"metadata.name={name}"
         ref = {"kind": kind, "namespace": ns, "name": name}
+        gone = NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting", **ref)
         last: Resource | None = None
+        uid: str | None = None
 
         def remaining() -> float:
             if deadline is None:
                 return float(_WATCH_SEGMENT_S)
             left = deadline - time.monotonic()
             if left <= 0:
+                if last is None or last.status is None:
+                    state = "no status yet: the gem operator has not picked it up; is it running?"
+                else:
+                    state = f"phase {phase_of(last)}"
                 raise WaitTimeoutError(
                     f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
-                    f"{describe_until(phases)} (phase {phase_of(last) if last else 'unknown'})",
+                    f"{describe_until(phases)} ({state})",
                     object=last, **ref,
                 )
             return min(left, _WATCH_SEGMENT_S)
 
+        def list_job() -> dict[str, Any]:
+            # Once the wait is under way, an API that is briefly away (a control-plane restart:
+            # refused connections, 503, 429) is waited out, up to the deadline or _OUTAGE_S.
+            pause, given_up = _RELIST_PAUSE_S, time.monotonic() + _OUTAGE_S
+            while True:
+                try:
+                    return self.custom.list_namespaced_custom_object(
+                        GROUP, VERSION, ns, plural, field_selector=selector)
+                except (ApiException, *CONNECTION_ERRORS) as e:
+                    transient = not isinstance(e, ApiException) or e.status in _TRANSIENT
+                    if uid is None or not transient or time.monotonic() >= given_up:
+                        raise api_error(e, "list", kind, ns, name) from None
+                time.sleep(min(pause, remaining()))
+                pause = min(2 * pause, _OUTAGE_PAUSE_MAX_S)
+
         while True:
             # List, then watch from the list's resourceVersion: the start, and the recovery after a
             # 410 Gone (history compacted) or a dropped connection. Between these, no polling.
-            listing = self._call("get", kind, ns, name, self.custom.list_namespaced_custom_object,
-                                 GROUP, VERSION, ns, plural, field_selector=selector)
+            listing = list_job()
             items = listing.get("items") or []
             if not items:
-                raise NotFoundError(f"{describe(kind, ns, name)} not found", **ref)
+                raise NotFoundError(f"{describe(kind, ns, name)} not found", **ref) if uid is None else gone
             last = from_wire(items[0])
+            if uid is None:
+                uid = last.metadata.uid
+            elif last.metadata.uid != uid:  # deleted and submitted again while we re-listed: another job
+                raise gone
             if observe(last):
                 return last
             rv = (listing.get("metadata") or {}).get("resourceVersion") or last.metadata.resource_version
@@ -178,33 +207,47 @@ class KubernetesBackend(Backend):
             while not relist:
                 segment = remaining()
                 w = kubernetes.watch.Watch()
+                events = w.stream(
+                    self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural,
+                    field_selector=selector, resource_version=rv, allow_watch_bookmarks=True,
+                    timeout_seconds=max(1, math.ceil(segment)),
+                    _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
+                )
                 try:
-                    for event in w.stream(
-                        self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural,
-                        field_selector=selector, resource_version=rv, allow_watch_bookmarks=True,
-                        timeout_seconds=max(1, math.ceil(segment)),
-                        _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
-                    ):
+                    while True:
+                        # Only reading the stream is guarded: the callback's own errors (even an
+                        # OSError) and our WaitTimeoutError (a TimeoutError, so an OSError) go out.
+                        try:
+                            event = next(events)
+                        except StopIteration:
+                            break  # the server's timeoutSeconds: resume from rv
+                        except ApiException as e:
+                            if e.status != 410 and e.status not in _TRANSIENT:
+                                raise api_error(e, "watch", kind, ns, name) from None
+                            # 410: our resourceVersion is too old; else the API is briefly away.
+                            relist = True
+                            if e.status != 410:
+                                time.sleep(_RELIST_PAUSE_S)
+                            break
+                        except CONNECTION_ERRORS:
+                            relist = True  # the watch dropped (or read timed out): list again
+                            time.sleep(_RELIST_PAUSE_S)
+                            break
                         raw = event.get("raw_object") or {}
                         rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
                         if event["type"] == "BOOKMARK":
                             continue
                         if event["type"] == "DELETED":
-                            raise NotFoundError(f"{describe(kind, ns, name)} was deleted while waiting", **ref)
+                            raise gone
                         last = from_wire(raw)
+                        if last.metadata.uid != uid:
+                            raise gone
                         if observe(last):
                             return last
                         remaining()
-                except ApiException as e:
-                    if e.status != 410:
-                        raise api_error(e, "watch", kind, ns, name) from None
-                    relist = True  # our resourceVersion is too old: list again
-                except CONNECTION_ERRORS:
-                    relist = True  # the watch dropped (or read timed out): list again
-                    time.sleep(_RELIST_PAUSE_S)
                 finally:
                     w.stop()
-                # A segment that ends normally (the server's timeoutSeconds) resumes from rv.
+                    events.close()
 
     # ------------------------------------------------------------------ update, pods, metrics
 
@@ -261,7 +304,13 @@ class KubernetesBackend(Backend):
     ) -> dict[str, list[MetricPoint]]:
         obj = self.get(name, kind=kind, namespace=namespace)
         uri = self.cfg.mlflow_tracking_uri or obj.spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        return metric_history(obj, uri, keys)
+        hint = ""
+        if not self.cfg.mlflow_tracking_uri and uri == obj.spec.mlflow.tracking_uri:
+            # The address the trainer uses is often an in-cluster one (a Service name).
+            hint = ("; that is the job's spec.mlflow.trackingUri, where the trainer reaches MLflow, which may not "
+                    "be reachable from here: pass the address you reach it at (gemctl --mlflow-tracking-uri, "
+                    "KubernetesBackendConfig(mlflow_tracking_uri=...)), e.g. through kubectl port-forward")
+        return metric_history(obj, uri, keys, hint=hint)
 
     # ------------------------------------------------------------------ logs
 
@@ -306,8 +355,8 @@ class KubernetesBackend(Backend):
     def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, timeout: float | None) -> None:
         """Watch the pod until its container has started (its log exists).
 
-        Each watch lasts a few seconds so that a job that ended without ever creating this pod
-        is noticed (NotFoundError) instead of waiting forever.
+        Each watch lasts a few seconds so that a job that ended without ever starting this pod,
+        or is suspended without it, is noticed (NotFoundError) instead of waiting forever.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         ref = {"kind": kind, "namespace": ns, "name": name}
@@ -319,12 +368,25 @@ class KubernetesBackend(Backend):
             items = body.get("items") or []
             if items and self._pod_started(items[0]):
                 return
-            if not items:
-                job = self.get(name, kind=kind, namespace=ns)
-                if phase_of(job) in TERMINAL_PHASES:
+            job = self.get(name, kind=kind, namespace=ns)
+            if phase_of(job) in TERMINAL_PHASES:
+                if items:  # kept by cleanPodPolicy None, but it will not start now (e.g. ImagePullBackOff)
                     raise NotFoundError(
-                        f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist and the job is "
-                        f"{phase_of(job)}; its pods may have been cleaned up (runPolicy.cleanPodPolicy)",
+                        f"pod {ns}/{pod} of {describe(kind, ns, name)} never started and the job is "
+                        f"{phase_of(job)}: it has no log", **ref,
+                    )
+                raise NotFoundError(
+                    f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist and the job is "
+                    f"{phase_of(job)}; its pods may have been cleaned up (runPolicy.cleanPodPolicy)",
+                    **ref,
+                )
+            if not items:
+                # Suspended stays so until a resume (spec.suspend false; the pods come back then),
+                # as the local backend says too.
+                if phase_of(job) == Phase.suspended.value and job.spec.suspend:
+                    raise NotFoundError(
+                        f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist: the job is Suspended "
+                        "(resume it first)",
                         **ref,
                     )
             segment = 5.0

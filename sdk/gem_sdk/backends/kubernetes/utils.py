@@ -22,6 +22,7 @@ from gem_sdk._exceptions import (
     ValidationError,
     describe,
 )
+from gem.api.types import GROUP, KINDS
 from gem_sdk._types import KubernetesBackendConfig
 
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -34,6 +35,9 @@ def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.Api
     Raises:
         BackendError: no usable kubeconfig or in-cluster configuration.
     """
+    # Resolved here, not left to the kubernetes client: it reads $KUBECONFIG once, at import, so
+    # a variable set later (a notebook, a test) would be ignored for ~/.kube/config.
+    config_file = cfg.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
     in_cluster = (
         cfg.kubeconfig is None
         and not os.environ.get("KUBECONFIG")
@@ -47,14 +51,13 @@ def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.Api
             api = kubernetes.client.ApiClient(conf)
             namespace = _SA_NAMESPACE.read_text().strip() if _SA_NAMESPACE.exists() else None
         else:
-            api = kubernetes.config.new_client_from_config(config_file=cfg.kubeconfig, context=cfg.context)
-            contexts, current = kubernetes.config.list_kube_config_contexts(config_file=cfg.kubeconfig)
+            api = kubernetes.config.new_client_from_config(config_file=config_file, context=cfg.context)
+            contexts, current = kubernetes.config.list_kube_config_contexts(config_file=config_file)
             chosen = next((c for c in contexts if c["name"] == cfg.context), None) if cfg.context else current
             namespace = ((chosen or {}).get("context") or {}).get("namespace")
     except (kubernetes.config.ConfigException, OSError, TypeError, ValueError) as e:
-        where = cfg.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         raise BackendError(
-            f"no usable Kubernetes configuration ({where}{', context ' + cfg.context if cfg.context else ''}): {e}; "
+            f"no usable Kubernetes configuration ({config_file}{', context ' + cfg.context if cfg.context else ''}): {e}; "
             "pass --kubeconfig/--context, or use the local backend (--local)"
         ) from None
     return api, cfg.namespace or namespace or "default"
@@ -66,6 +69,16 @@ def _status_body(e: ApiException) -> dict[str, Any]:
     except (TypeError, ValueError):
         body = {}
     return body if isinstance(body, dict) else {}
+
+
+#: The RBAC verb and resource (when not the job's own) each `verb` of `api_error` needs.
+_RBAC = {
+    "update": ("patch", None),
+    "list pods of": ("list", "pods"),
+    "watch pods of": ("watch", "pods"),
+    "read logs of": ("get", "pods/log"),
+    "stream logs of": ("get", "pods/log"),
+}
 
 
 def api_error(
@@ -85,6 +98,9 @@ def api_error(
     if e.status == 404:
         if details.get("kind") == "namespaces" or message.startswith("namespaces "):
             return NotFoundError(f"namespace {namespace} not found (creating {what})", **ref)
+        if details.get("kind") == "pods" or message.startswith("pods "):  # logs: the pod went meanwhile
+            pod = details.get("name") or (message.split('"')[1] if '"' in message else "?")
+            return NotFoundError(f"pod {namespace}/{pod} of {what} not found (it was deleted)", **ref)
         if name and (details.get("name") == name or f'"{name}" not found' in message):
             return NotFoundError(f"{what} not found", **ref)
         return BackendError(
@@ -100,10 +116,24 @@ def api_error(
         return ValidationError(
             f"the API server rejected {what}" + ("" if errors else f": {message}"), errors=errors, **ref
         )
-    if e.status in (401, 403):
+    if e.status == 401:
         return BackendError(
-            f"failed to {verb} {what}: {reason}: {message}; check your credentials and RBAC", status=e.status, **ref
+            f"failed to {verb} {what}: 401 Unauthorized: the API server did not accept your credentials"
+            f"{'' if message in ('', 'Unauthorized') else ' (' + message + ')'}; they may have expired: "
+            "renew them (log in to the cluster again) or pick another --kubeconfig/--context",
+            status=401, **ref,
         )
+    if e.status == 403:
+        hint = ""
+        # An admission webhook's, a quota's or a terminating namespace's 403 is no missing
+        # permission, and its message says what it is; RBAC's says `User "u" cannot VERB ...`.
+        if not any(s in message for s in ("admission webhook", "exceeded quota", "being terminated")):
+            rbac_verb, resource = _RBAC.get(verb, (verb, None))
+            resource = resource or (f"{KINDS[kind]['plural']}.{GROUP}" if kind in KINDS else "the resource")
+            scope = f"-n {namespace}" if namespace else "--all-namespaces"
+            hint = (f"; this needs RBAC permission to {rbac_verb} {resource} (check with `kubectl auth can-i "
+                    f"{rbac_verb} {resource} {scope}`; a Role or ClusterRole bound to you must grant it)")
+        return BackendError(f"failed to {verb} {what}: 403 Forbidden: {message}{hint}", status=403, **ref)
     return BackendError(f"failed to {verb} {what}: {e.status} {reason}: {message}".rstrip(": "), status=e.status, **ref)
 
 
