@@ -417,6 +417,52 @@ def test_label_selector_values_are_validated(core, ns):
         'unable to parse requirement: values[0][gem.dev/name]: Invalid value: "' + "x" * 64)
 
 
+MALFORMED_SELECTORS = [
+    # labels.Parse's own words (k8s.io/apimachinery/pkg/labels/selector.go).
+    ("a in (b", "unable to parse requirement: found '', expected: ',' or ')'"),
+    ("a in b)", "unable to parse requirement: found 'b' expected: '('"),
+    ("a in (b c)", "unable to parse requirement: found 'c', expected: ',' or ')'"),
+    ("a notin", "unable to parse requirement: found '' expected: '('"),
+    ("a b", "unable to parse requirement: found 'b', expected: '=', '!=', '==', 'in', notin'"),
+    ("a=(b)", "unable to parse requirement: found '(', expected: identifier"),
+    ("!a=b", "found '=', expected: ',' or 'end of string'"),
+    ("a=b=c", "found '=', expected: ',' or 'end of string'"),
+    ("a,", "found '', expected: identifier after ','"),
+    (",a", "found ',', expected: !, identifier, or 'end of string'"),
+    ("a<x", "unable to parse requirement: values[0]: Invalid value: \"x\": for 'Gt', 'Lt' operators, "
+            "the value must be an integer"),
+    ("-a=b", "unable to parse requirement: <nil>: Invalid value: \"-a\": name part must consist of"),
+]
+
+
+def test_malformed_label_selectors_are_400(core, ns):
+    for selector, message in MALFORMED_SELECTORS:
+        with pytest.raises(ApiException) as e:
+            core.list_namespaced_config_map(ns, label_selector=selector)
+        status = _status(e)
+        assert e.value.status == 400 and status["reason"] == "BadRequest" and status["kind"] == "Status", selector
+        assert status["message"].startswith(message), (selector, status["message"])
+    with pytest.raises(ApiException) as e:  # watches parse it the same way
+        core.list_namespaced_config_map(ns, label_selector="a in (b", watch=True, timeout_seconds=1)
+    assert e.value.status == 400 and "expected: ',' or ')'" in _status(e)["message"]
+
+
+def test_label_selector_grammar_edges(core, ns):
+    core.create_namespaced_config_map(ns, cm("a", {"app": "x", "n": "5"}))
+    core.create_namespaced_config_map(ns, cm("b", {"app": "", "n": "12"}))
+    core.create_namespaced_config_map(ns, cm("c", {"in": "in"}))
+
+    def names(selector):
+        return [i.metadata.name for i in core.list_namespaced_config_map(ns, label_selector=selector).items]
+
+    assert names("app in (foo,,x)") == ["a", "b"]  # an empty value between the commas
+    assert names("app notin ()") == ["a", "c"]  # () is the empty value; notin matches a missing key
+    assert names("app==") == ["b"] and names("app=x,  n") == ["a"]
+    assert names("n>6") == ["b"] and names("n<6") == ["a"]  # integers, not strings
+    assert names("in in (in)") == ["c"]  # `in` is a value (and a key) where one is expected
+    assert names("!app,!n") == ["c"] and names(" ") == ["a", "b", "c"]
+
+
 def test_paginated_list_is_a_consistent_snapshot(core, ns):
     """etcd3 pagination: later pages come from the first page's snapshot, with its resourceVersion."""
     for n in ("a", "b", "c", "d", "e"):

@@ -3,6 +3,7 @@ watches, the status subresource, fault injection and PyTorchJobs run as local pr
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from gem_sdk import (
     AlreadyExistsError,
@@ -23,6 +25,7 @@ from gem_sdk import (
     ValidationError,
     WaitTimeoutError,
 )
+from gem_sdk.cli import app as gemctl_app
 
 API = "gem.dev/v1alpha1"
 
@@ -512,3 +515,94 @@ def test_wait_rides_out_an_api_server_restart(client, kubeapi):
 
     set_status_later(kubeapi, "blip", [{"phase": "Running"}, {"phase": "Succeeded"}], between=outage)
     assert client.wait("blip", timeout=60).status.phase == "Succeeded"
+
+
+# --------------------------------------------------------------------------- review 2: timeouts, outages, selectors
+
+
+@pytest.fixture
+def silent_api(tmp_path):
+    """A kubeconfig for an API server that takes connections and never answers (hung, or
+    blackholed behind a load balancer), and the connections it took."""
+    from tests.kubeapi import write_kubeconfig
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    taken: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                taken.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield write_kubeconfig(tmp_path / "silent", f"http://127.0.0.1:{server.getsockname()[1]}"), taken
+    stop.set()
+    thread.join()
+    for conn in [server, *taken]:
+        conn.close()
+
+
+@pytest.mark.timeout(120)  # the guard: before, these calls never returned
+def test_wait_and_logs_keep_to_their_timeout_when_the_api_never_answers(silent_api):
+    kubeconfig, taken = silent_api
+    client = GEMClient(KubernetesBackendConfig(kubeconfig=str(kubeconfig)))
+    with pytest.raises(WaitTimeoutError, match=r"timed out after 1s .* \(no answer from the Kubernetes API\)") as info:
+        client.wait("quick", timeout=1)
+    assert isinstance(info.value, TimeoutError)
+    assert len(taken) == 1  # not sent again: urllib3's default retries would make it 4 timeouts
+    with pytest.raises(WaitTimeoutError, match="timed out waiting for pod default/quick-train-master-0 to start"):
+        client.logs("quick", timeout=1)
+    r = CliRunner().invoke(gemctl_app, ["wait", "gt", "quick", "--kubeconfig", str(kubeconfig), "--timeout", "1"])
+    assert r.exit_code == 4, r.output
+
+
+@pytest.mark.timeout(120)
+def test_calls_without_a_timeout_give_up_on_an_api_that_never_answers(silent_api, monkeypatch):
+    from gem_sdk.backends.kubernetes import backend
+
+    monkeypatch.setattr(backend, "_READ_TIMEOUT_S", 0.5)  # the default, 60 s, is too long for a test
+    kubeconfig, _ = silent_api
+    client = GEMClient(KubernetesBackendConfig(kubeconfig=str(kubeconfig)))
+    for call in (lambda: client.get("quick"), lambda: client.list(), lambda: client.wait("quick")):
+        with pytest.raises(BackendError, match="cannot reach the Kubernetes API: .*Read timed out"):
+            call()
+
+
+def test_logs_ride_out_an_api_server_restart_while_waiting_for_the_pod(client, kubeapi):
+    # As wait does: once logs has the job, 429 and 5xx answers of its lists, gets and watches are
+    # waited out (before, the first one ended logs with BackendError).
+    client.submit(manifest("outage"))
+    job_get = r"/gemtrainings/outage$"
+    rules = [
+        kubeapi.faults.add(method="GET", path=job_get, times=1),  # logs' own get passes
+        kubeapi.faults.add(method="GET", path=r"/pods\?", status=503, times=2, watch=False,
+                           message="the server is currently unable to handle the request"),
+        kubeapi.faults.add(method="GET", path=r"/pods\?", status=429, times=1, watch=False),
+        kubeapi.faults.add(method="GET", path=job_get, status=500, times=1),
+        kubeapi.faults.add(method="GET", path=r"/pods\?", status=503, times=1, watch=True),
+    ]
+
+    def create_job_after_the_outage() -> None:
+        while rules[-1].hits == 0:  # the watch's 503, the last of them
+            time.sleep(0.05)
+        kubeapi.create("kubeflow.org/v1", "PyTorchJob", _script_job("outage-train", "print('back', flush=True)\n"))
+
+    threading.Thread(target=create_job_after_the_outage, daemon=True).start()
+    assert list(client.logs("outage", follow=True, timeout=60)) == ["back"]
+    assert [r.hits for r in rules] == [1, 2, 1, 1, 1]
+
+
+def test_list_with_a_malformed_selector_names_it(client, kubeapi):
+    client.submit(manifest("sel", team="ads"))
+    with pytest.raises(ValidationError) as info:
+        client.list(label_selector="team in (ads")
+    assert str(info.value) == ("invalid label selector 'team in (ads': unable to parse requirement: "
+                               "found '', expected: ',' or ')'")
+    assert [o.metadata.name for o in client.list(label_selector="team in (ads),!canary")] == ["sel"]
+    r = CliRunner().invoke(gemctl_app, ["list", "-l", "team in (ads", "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 2 and "invalid label selector 'team in (ads'" in r.output, r.output

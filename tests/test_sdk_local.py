@@ -286,6 +286,33 @@ def test_a_reused_supervisor_pid_is_not_taken_for_the_supervisor(client, root):
         client.wait(job, timeout=10)
 
 
+def test_wait_on_a_job_without_status_says_what_to_check(client, root, monkeypatch):
+    # submit writes the first status and the supervisor keeps it; a job without one (an object.yaml
+    # written by hand, a supervisor that hangs before its first write) timed out with "(phase None)".
+    monkeypatch.setattr(client.backend, "_spawn", lambda d: None)  # no supervisor
+    client.submit(training("mute", nodes=1))
+    d = root / "default" / "gemtrainings" / "mute"
+    body = yaml.safe_load((d / "object.yaml").read_text())
+    del body["status"]
+    (d / "object.yaml").write_text(yaml.safe_dump(body))
+    with pytest.raises(WaitTimeoutError) as info:
+        client.wait("mute", timeout=0.3)
+    assert "phase None" not in str(info.value)
+    assert f"no status yet: no local supervisor was started for it ({d / 'supervisor.pid'} is missing)" in str(info.value)
+    # A supervisor that runs but has written nothing: its log says why.
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "gem_sdk.backends.local.supervisor"])
+    try:
+        (d / "supervisor.pid").write_text(str(stuck.pid))
+        with pytest.raises(WaitTimeoutError) as info:
+            client.wait("mute", timeout=0.3)
+        assert (f"(no status yet: its local supervisor (pid {stuck.pid}, is running) has not written one; "
+                f"check its log, {d / 'supervisor.log'})") in str(info.value)
+    finally:
+        (d / "supervisor.pid").unlink()
+        stuck.kill()
+        stuck.wait()
+
+
 def test_follow_logs_until_the_pod_exits(client):
     job = fake(client, seconds=1.0).submit(training("follow", nodes=1))
     lines = list(client.logs(job, follow=True, timeout=30))

@@ -99,10 +99,192 @@ def _builtin_types() -> list[ResourceType]:
 
 # --------------------------------------------------------------------------- selectors
 
-_SEL_RE = re.compile(r"^\s*(!)?\s*([A-Za-z0-9_./-]+)\s*(?:(==|=|!=|\s+in\s+|\s+notin\s+)\s*(.*?))?\s*$")
+_SPECIAL = frozenset("=!(),><")
+_WHITESPACE = frozenset(" \t\r\n")
+#: The lexer's tokens of k8s.io/apimachinery/pkg/labels/selector.go (string2token).
+_TOKENS = {")": ")", ",": ",", "!": "!", "==": "==", "=": "=", ">": ">", "in": "in", "<": "<", "!=": "!=",
+           "notin": "notin", "(": "("}
+_IDENT, _EOS, _ERROR = "identifier", "end", "error"
+
+
+def _lex_selector(sel: str) -> list[tuple[str, str]]:
+    """(token, literal) pairs ending with _EOS, as labels.Lexer scans them (an identifier is
+    whatever runs up to a blank or one of `=!(),><`)."""
+    out, i, n = [], 0, len(sel)
+    while True:
+        while i < n and sel[i] in _WHITESPACE:
+            i += 1
+        if i >= n:
+            out.append((_EOS, ""))
+            return out
+        if sel[i] in _SPECIAL:
+            # The longest run of special characters that is a token ("!=", "=="), one at least.
+            j, last = i, None
+            while j < n and sel[j] in _SPECIAL:
+                if sel[i:j + 1] in _TOKENS:
+                    last = j + 1
+                elif last is not None:
+                    break
+                j += 1
+            if last is None:
+                out.append((_ERROR, f"error expected: keyword found '{sel[i:j]}'"))
+                i = j
+            else:
+                out.append((_TOKENS[sel[i:last]], sel[i:last]))
+                i = last
+            continue
+        j = i
+        while j < n and sel[j] not in _SPECIAL and sel[j] not in _WHITESPACE:
+            j += 1
+        word = sel[i:j]
+        out.append((_TOKENS.get(word, _IDENT), word))
+        i = j
+
+
+class _SelectorParser:
+    """labels.Parse (k8s.io/apimachinery/pkg/labels/selector.go): the grammar, the error texts
+    and NewRequirement's checks, so that the server refuses what kube-apiserver refuses."""
+
+    def __init__(self, sel: str) -> None:
+        self.items = _lex_selector(sel)
+        self.pos = 0
+
+    def lookahead(self, values: bool = True) -> tuple[str, str]:
+        tok, lit = self.items[self.pos]
+        # In the values context `in` and `notin` are identifiers (`a in (in)`).
+        return (_IDENT if values and tok in ("in", "notin") else tok), lit
+
+    def consume(self, values: bool = True) -> tuple[str, str]:
+        item = self.lookahead(values)
+        self.pos += 1
+        return item
+
+    def parse(self) -> list[tuple[str, str, list[str]]]:
+        reqs = []
+        while True:
+            tok, lit = self.lookahead()
+            if tok == _EOS:
+                return reqs
+            if tok not in (_IDENT, "!"):
+                raise _bad(f"found '{lit}', expected: !, identifier, or 'end of string'")
+            try:
+                reqs.append(self.requirement())
+            except _SelectorError as e:
+                raise _bad(f"unable to parse requirement: {e}") from None
+            tok, lit = self.consume()
+            if tok == _EOS:
+                return reqs
+            if tok != ",":
+                raise _bad(f"found '{lit}', expected: ',' or 'end of string'")
+            tok2, lit2 = self.lookahead()
+            if tok2 not in (_IDENT, "!"):
+                raise _bad(f"found '{lit2}', expected: identifier after ','")
+
+    def requirement(self) -> tuple[str, str, list[str]]:
+        op = None
+        tok, key = self.consume()
+        if tok == "!":
+            op = "!"
+            tok, key = self.consume()
+        if tok != _IDENT:
+            raise _SelectorError(f"found '{key}', expected: identifier")
+        key_errs = validation.is_qualified_name(key)
+        if key_errs:  # field.Invalid with the parser's nil path
+            raise _SelectorError(f"<nil>: Invalid value: {validation.go_value(key)}: {'; '.join(key_errs)}")
+        if op is None and self.lookahead()[0] in (_EOS, ","):
+            op = "exists"
+        if op is not None:
+            return _requirement(key, op, [])
+        tok, lit = self.consume(values=False)
+        if tok not in ("in", "notin", "=", "==", "!=", ">", "<"):
+            raise _SelectorError(f"found '{lit}', expected: '=', '!=', '==', 'in', notin'")
+        vals = self.values() if tok in ("in", "notin") else self.exact_value()
+        return _requirement(key, tok, sorted(set(vals)))
+
+    def values(self) -> list[str]:
+        tok, lit = self.consume()
+        if tok != "(":
+            raise _SelectorError(f"found '{lit}' expected: '('")
+        tok, lit = self.lookahead()
+        if tok == ")":  # "()": the empty value
+            self.consume()
+            return [""]
+        if tok not in (_IDENT, ","):
+            raise _SelectorError(f"found '{lit}', expected: ',', ')' or identifier")
+        vals = self.identifiers()
+        if self.consume()[0] != ")":
+            raise _SelectorError(f"found '{lit}', expected: ')'")
+        return vals
+
+    def identifiers(self) -> list[str]:
+        vals: list[str] = []
+        while True:
+            tok, lit = self.consume()
+            if tok == _IDENT:
+                vals.append(lit)
+                tok2, lit2 = self.lookahead()
+                if tok2 == ")":
+                    return vals
+                if tok2 != ",":
+                    raise _SelectorError(f"found '{lit2}', expected: ',' or ')'")
+            elif tok == ",":  # "(,", ",,", ",)": empty values
+                if not vals:
+                    vals.append("")
+                tok2 = self.lookahead()[0]
+                if tok2 == ")":
+                    vals.append("")
+                    return vals
+                if tok2 == ",":
+                    self.consume()
+                    vals.append("")
+            else:
+                raise _SelectorError(f"found '{lit}', expected: ',', or identifier")
+
+    def exact_value(self) -> list[str]:
+        if self.lookahead()[0] in (_EOS, ","):
+            return [""]
+        tok, lit = self.consume()
+        if tok == _IDENT:
+            return [lit]
+        raise _SelectorError(f"found '{lit}', expected: identifier")
+
+
+class _SelectorError(Exception):
+    pass
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message, "BadRequest")
+
+
+def _requirement(key: str, op: str, vals: list[str]) -> tuple[str, str, list[str]]:
+    """labels.NewRequirement's checks (the aggregate of every problem, as Go prints it)."""
+    errs = []
+    if op in ("in", "notin") and not vals:
+        errs.append("values: Invalid value: []string{}: for 'in', 'notin' operators, values set can't be empty")
+    if op in (">", "<"):
+        for i, v in enumerate(vals):
+            if _go_int(v) is None:
+                errs.append(f"values[{i}]: Invalid value: {validation.go_value(v)}: "
+                            "for 'Gt', 'Lt' operators, the value must be an integer")
+    for i, v in enumerate(vals):
+        v_errs = validation.is_valid_label_value(v)
+        if v_errs:
+            errs.append(f"values[{i}][{key}]: Invalid value: {validation.go_value(v)}: {'; '.join(v_errs)}")
+    if errs:
+        raise _SelectorError(errs[0] if len(errs) == 1 else "[" + ", ".join(errs) + "]")
+    return key, op, vals
+
+
+def _go_int(s: str | None) -> int | None:
+    """strconv.ParseInt(s, 10, 64), None where it fails (Python's int() takes more: "1_0", " 1")."""
+    if s is None or not re.fullmatch(r"[+-]?[0-9]+", s) or not -2**63 <= int(s) < 2**63:
+        return None
+    return int(s)
 
 
 def _split_selector(sel: str) -> list[str]:
+    """A fieldSelector's requirements, split at the commas outside parentheses."""
     parts, depth, cur = [], 0, []
     for ch in sel:
         if ch == "(":
@@ -119,54 +301,28 @@ def _split_selector(sel: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
+def _matches(labels: dict, key: str, op: str, vals: list[str]) -> bool:
+    """Requirement.Matches."""
+    if op in ("=", "==", "in"):
+        return key in labels and labels[key] in vals
+    if op in ("!=", "notin"):
+        return key not in labels or labels[key] not in vals
+    if op == "exists":
+        return key in labels
+    if op == "!":
+        return key not in labels
+    # > and <: both sides integers, else no match
+    have = _go_int(labels.get(key))
+    return have is not None and (have > int(vals[0]) if op == ">" else have < int(vals[0]))
+
+
 def parse_label_selector(sel: str | None) -> Callable[[dict], bool] | None:
-    """`a=b,c!=d,e in (x,y),f notin (z),g,!h` -> predicate over a labels dict."""
+    """A labelSelector (`a=b,c!=d,e in (x,y),f notin (z),g,!h,n>1`) as a predicate over a labels
+    dict; what labels.Parse refuses is a 400 BadRequest with its message."""
     if not sel:
         return None
-    reqs: list[Callable[[dict], bool]] = []
-    for part in _split_selector(sel):
-        m = _SEL_RE.match(part)
-        if not m:
-            raise ApiError(400, f"unable to parse requirement: {part!r}")
-        neg, key, op, val = m.groups()
-        op = (op or "").strip()
-        _check_requirement(key, op, val)
-        if neg:
-            reqs.append(lambda lb, k=key: k not in lb)
-        elif not op:
-            reqs.append(lambda lb, k=key: k in lb)
-        elif op in ("=", "=="):
-            reqs.append(lambda lb, k=key, v=val: lb.get(k) == v)
-        elif op == "!=":
-            reqs.append(lambda lb, k=key, v=val: lb.get(k) != v)
-        else:
-            vals = {x.strip() for x in val.strip().strip("()").split(",") if x.strip()}
-            if op == "in":
-                reqs.append(lambda lb, k=key, vs=vals: lb.get(k) in vs)
-            else:
-                reqs.append(lambda lb, k=key, vs=vals: lb.get(k) not in vs)
-    return lambda labels: all(r(labels) for r in reqs)
-
-
-def _check_requirement(key: str, op: str, val: str | None) -> None:
-    """labels.NewRequirement's checks: a qualified-name key and valid label values (400 otherwise)."""
-    errs = []
-    key_errs = validation.is_qualified_name(key)
-    if key_errs:
-        errs.append(f"key: Invalid value: {validation.go_value(key)}: {'; '.join(key_errs)}")
-    if op in ("in", "notin"):
-        vals = [x.strip() for x in (val or "").strip().strip("()").split(",")]
-        if not any(vals):
-            errs.append("values: Invalid value: []string{}: for 'in', 'notin' operators, values set can't be empty")
-    else:
-        vals = [val] if op else []
-    for i, v in enumerate(vals):
-        v_errs = validation.is_valid_label_value(v or "")
-        if v_errs:
-            errs.append(f"values[{i}][{key}]: Invalid value: {validation.go_value(v or '')}: {'; '.join(v_errs)}")
-    if errs:
-        joined = errs[0] if len(errs) == 1 else "[" + ", ".join(errs) + "]"
-        raise ApiError(400, f"unable to parse requirement: {joined}", "BadRequest")
+    reqs = _SelectorParser(sel).parse()
+    return lambda labels: all(_matches(labels, *r) for r in reqs)
 
 
 def object_key(obj: dict) -> str:

@@ -6,14 +6,14 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import kubernetes
 from kubernetes.client.rest import ApiException
 
 from gem.api.render import CONTAINER_NAME
 from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION, Phase
-from gem_sdk._exceptions import BackendError, NotFoundError, WaitTimeoutError, describe
+from gem_sdk._exceptions import BackendError, NotFoundError, ValidationError, WaitTimeoutError, describe
 from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
     check_replica_exists,
@@ -41,7 +41,13 @@ from gem_sdk._types import (
     resolve_kind,
 )
 from gem_sdk.backends.base import Backend
-from gem_sdk.backends.kubernetes.utils import CONNECTION_ERRORS, api_error, iter_lines, make_api_client
+from gem_sdk.backends.kubernetes.utils import (
+    CONNECTION_ERRORS,
+    api_error,
+    iter_lines,
+    make_api_client,
+    status_message,
+)
 
 T = TypeVar("T")
 
@@ -54,7 +60,29 @@ _RELIST_PAUSE_S = 0.2
 _OUTAGE_S, _OUTAGE_PAUSE_MAX_S = 300.0, 10.0
 #: Answers of an API server that is restarting or overloaded, worth another try.
 _TRANSIENT = frozenset({429, 500, 502, 503, 504})
-_CONNECT_TIMEOUT_S = 10
+#: (connect, read) seconds of one request when no deadline is nearer: an API server that takes the
+#: connection and never answers must not hang a call forever.
+_CONNECT_TIMEOUT_S, _READ_TIMEOUT_S = 10.0, 60.0
+
+
+def _timeouts(deadline: float | None) -> tuple[float, float]:
+    """The `_request_timeout` of one request: the defaults, cut to what is left until `deadline`.
+
+    A tuple, as the client ignores a lone float; a floor, as urllib3 reads 0 as "no timeout".
+    """
+    if deadline is None:
+        return (_CONNECT_TIMEOUT_S, _READ_TIMEOUT_S)
+    left = max(deadline - time.monotonic(), 0.01)
+    return (min(_CONNECT_TIMEOUT_S, left), min(_READ_TIMEOUT_S, left))
+
+
+def _watch_timeouts(segment: float, deadline: float | None) -> tuple[float, float]:
+    """The `_request_timeout` of a watch the server ends after `segment` s: reads may wait that
+    long and a margin, but not past `deadline`."""
+    read = segment + 10
+    if deadline is not None:
+        read = min(read, max(deadline - time.monotonic(), 0.01))
+    return (min(_CONNECT_TIMEOUT_S, read), read)
 
 
 def _plural(kind: str) -> str:
@@ -75,10 +103,36 @@ class KubernetesBackend(Backend):
 
     def _call(self, verb: str, kind: str | None, namespace: str | None, name: str | None,
               fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        kwargs.setdefault("_request_timeout", _timeouts(None))
         try:
             return fn(*args, **kwargs)
         except (ApiException, *CONNECTION_ERRORS) as e:
             raise api_error(e, verb, kind, namespace, name) from None
+
+    def _ride_out(self, request: Callable[[tuple[float, float]], T], verb: str, kind: str, ns: str, name: str,
+                  *, deadline: float | None, timed_out: Callable[[], NoReturn], retry: bool = True) -> T:
+        """`request(_request_timeout)`, its timeouts cut to `deadline`; past it, `timed_out()` raises.
+
+        With `retry`, an API server that is briefly away (a control-plane restart: refused or
+        dropped connections, 429, 5xx) is waited out, the pause doubling up to _OUTAGE_PAUSE_MAX_S,
+        for at most _OUTAGE_S. Any other error is mapped by `api_error` at once.
+        """
+        pause, given_up = _RELIST_PAUSE_S, time.monotonic() + _OUTAGE_S
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out()
+            try:
+                return request(_timeouts(deadline))
+            except (ApiException, *CONNECTION_ERRORS) as e:
+                error = e
+            if isinstance(error, ApiException) and error.status not in _TRANSIENT:
+                raise api_error(error, verb, kind, ns, name) from None
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out()  # the request was cut short by the caller's deadline: its timeout, not an outage
+            if not retry or time.monotonic() >= given_up:
+                raise api_error(error, verb, kind, ns, name) from None
+            time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, _OUTAGE_PAUSE_MAX_S)
 
     # ------------------------------------------------------------------ CRUD
 
@@ -113,12 +167,18 @@ class KubernetesBackend(Backend):
         selector = {"label_selector": label_selector} if label_selector else {}
         out: list[Resource] = []
         for k in kinds:
-            if all_namespaces:
-                body = self._call("list", k, None, None, self.custom.list_cluster_custom_object,
-                                  GROUP, VERSION, _plural(k), **selector)
-            else:
-                body = self._call("list", k, ns, None, self.custom.list_namespaced_custom_object,
-                                  GROUP, VERSION, ns, _plural(k), **selector)
+            where = None if all_namespaces else ns
+            args = (GROUP, VERSION, _plural(k)) if all_namespaces else (GROUP, VERSION, ns, _plural(k))
+            fn = self.custom.list_cluster_custom_object if all_namespaces else self.custom.list_namespaced_custom_object
+            try:
+                body = fn(*args, **selector, _request_timeout=_timeouts(None))
+            except ApiException as e:
+                if e.status == 400 and label_selector:  # a list's 400 is its selector's: name the selector
+                    raise ValidationError(f"invalid label selector {label_selector!r}: {status_message(e)}",
+                                          kind=k, namespace=where) from None
+                raise api_error(e, "list", k, where, None) from None
+            except CONNECTION_ERRORS as e:
+                raise api_error(e, "list", k, where, None) from None
             out.extend(from_wire(item) for item in body.get("items") or [])
         return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
 
@@ -157,36 +217,34 @@ class KubernetesBackend(Backend):
         last: Resource | None = None
         uid: str | None = None
 
+        def timed_out() -> NoReturn:
+            if last is None:  # the first list did not answer in time
+                state = "no answer from the Kubernetes API"
+            elif last.status is None:
+                state = "no status yet: the gem operator has not picked it up; is it running?"
+            else:
+                state = f"phase {phase_of(last)}"
+            raise WaitTimeoutError(
+                f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
+                f"{describe_until(phases)} ({state})",
+                object=last, **ref,
+            )
+
         def remaining() -> float:
             if deadline is None:
                 return float(_WATCH_SEGMENT_S)
             left = deadline - time.monotonic()
             if left <= 0:
-                if last is None or last.status is None:
-                    state = "no status yet: the gem operator has not picked it up; is it running?"
-                else:
-                    state = f"phase {phase_of(last)}"
-                raise WaitTimeoutError(
-                    f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
-                    f"{describe_until(phases)} ({state})",
-                    object=last, **ref,
-                )
+                timed_out()
             return min(left, _WATCH_SEGMENT_S)
 
         def list_job() -> dict[str, Any]:
-            # Once the wait is under way, an API that is briefly away (a control-plane restart:
-            # refused connections, 503, 429) is waited out, up to the deadline or _OUTAGE_S.
-            pause, given_up = _RELIST_PAUSE_S, time.monotonic() + _OUTAGE_S
-            while True:
-                try:
-                    return self.custom.list_namespaced_custom_object(
-                        GROUP, VERSION, ns, plural, field_selector=selector)
-                except (ApiException, *CONNECTION_ERRORS) as e:
-                    transient = not isinstance(e, ApiException) or e.status in _TRANSIENT
-                    if uid is None or not transient or time.monotonic() >= given_up:
-                        raise api_error(e, "list", kind, ns, name) from None
-                time.sleep(min(pause, remaining()))
-                pause = min(2 * pause, _OUTAGE_PAUSE_MAX_S)
+            # Once the wait is under way (the job was found), an API that is briefly away is waited out.
+            return self._ride_out(
+                lambda t: self.custom.list_namespaced_custom_object(
+                    GROUP, VERSION, ns, plural, field_selector=selector, _request_timeout=t),
+                "list", kind, ns, name, deadline=deadline, timed_out=timed_out, retry=uid is not None,
+            )
 
         while True:
             # List, then watch from the list's resourceVersion: the start, and the recovery after a
@@ -211,7 +269,7 @@ class KubernetesBackend(Backend):
                     self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural,
                     field_selector=selector, resource_version=rv, allow_watch_bookmarks=True,
                     timeout_seconds=max(1, math.ceil(segment)),
-                    _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
+                    _request_timeout=_watch_timeouts(segment, deadline),
                 )
                 try:
                     while True:
@@ -327,15 +385,36 @@ class KubernetesBackend(Backend):
     ) -> Iterator[str]:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         pod = pod_name(kind, name, replica, index)
-        job = self.get(name, kind=kind, namespace=ns)  # NotFoundError now, not at the first next()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # NotFoundError now, not at the first next(); within the timeout even if the API never answers.
+        job = from_wire(self._ride_out(
+            lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
+                                                               _request_timeout=t),
+            "get", kind, ns, name, deadline=deadline, timed_out=self._pod_timed_out(ns, pod, kind, name),
+            retry=False,
+        ))
         check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
-        self._wait_for_pod(kind, ns, name, pod, timeout)
+        self._wait_for_pod(kind, ns, name, pod, deadline)
         # follow as kubectl sends it ("true"); the client would send Python's "True", which a
-        # strict server (e.g. the test API server) does not take for true.
+        # strict server (e.g. the test API server) does not take for true. The timeout bounds the
+        # wait for the pod, not its log: this request has the defaults.
         resp = self._call("read logs of", kind, ns, name, self.core.read_namespaced_pod_log,
                           pod, ns, container=CONTAINER_NAME, follow="true" if follow else "false",
                           _preload_content=False)
+        if follow:
+            # The read timeout was for the answer: a followed container may then be quiet for long
+            # (a checkpoint, an evaluation) without anything being wrong.
+            sock = getattr(getattr(resp, "connection", None), "sock", None)
+            if sock is not None:
+                sock.settimeout(None)
         return self._lines(resp, kind, ns, name)
+
+    @staticmethod
+    def _pod_timed_out(ns: str, pod: str, kind: str, name: str) -> Callable[[], NoReturn]:
+        def timed_out() -> NoReturn:
+            raise WaitTimeoutError(f"timed out waiting for pod {ns}/{pod} to start",
+                                   kind=kind, namespace=ns, name=name)
+        return timed_out
 
     def _lines(self, resp: Any, kind: str, ns: str, name: str) -> Iterator[str]:
         try:
@@ -352,23 +431,31 @@ class KubernetesBackend(Backend):
             for cs in status.get("containerStatuses") or []
         )
 
-    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, timeout: float | None) -> None:
-        """Watch the pod until its container has started (its log exists).
+    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None) -> None:
+        """Watch the pod until its container has started (its log exists), until `deadline`.
 
         Each watch lasts a few seconds so that a job that ended without ever starting this pod,
-        or is suspended without it, is noticed (NotFoundError) instead of waiting forever.
+        or is suspended without it, is noticed (NotFoundError) instead of waiting forever. The
+        job exists (logs got it), so an API server that is briefly away is waited out, as by wait.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         ref = {"kind": kind, "namespace": ns, "name": name}
         selector = f"metadata.name={pod}"
+        timed_out = self._pod_timed_out(ns, pod, kind, name)
         while True:
-            listing = self._call("list pods of", kind, ns, name, self.core.list_namespaced_pod,
-                                 ns, field_selector=selector, _preload_content=False)
-            body = _json(listing)
+            body = self._ride_out(
+                # The body is read inside: a connection dropped while it is read is retried too.
+                lambda t: _json(self.core.list_namespaced_pod(ns, field_selector=selector, _preload_content=False,
+                                                              _request_timeout=t)),
+                "list pods of", kind, ns, name, deadline=deadline, timed_out=timed_out,
+            )
             items = body.get("items") or []
             if items and self._pod_started(items[0]):
                 return
-            job = self.get(name, kind=kind, namespace=ns)
+            job = from_wire(self._ride_out(
+                lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
+                                                                   _request_timeout=t),
+                "get", kind, ns, name, deadline=deadline, timed_out=timed_out,
+            ))
             if phase_of(job) in TERMINAL_PHASES:
                 if items:  # kept by cleanPodPolicy None, but it will not start now (e.g. ImagePullBackOff)
                     raise NotFoundError(
@@ -393,22 +480,24 @@ class KubernetesBackend(Backend):
             if deadline is not None:
                 segment = min(segment, deadline - time.monotonic())
                 if segment <= 0:
-                    raise WaitTimeoutError(f"timed out waiting for pod {ns}/{pod} to start", **ref)
+                    timed_out()
             w = kubernetes.watch.Watch()
             try:
                 for event in w.stream(
                     self.core.list_namespaced_pod, ns, field_selector=selector,
                     resource_version=(body.get("metadata") or {}).get("resourceVersion"),
                     timeout_seconds=max(1, math.ceil(segment)),
-                    _request_timeout=(_CONNECT_TIMEOUT_S, segment + 10),
+                    _request_timeout=_watch_timeouts(segment, deadline),
                 ):
                     # raw_object, the pod as JSON, is in every client version's events; `object`
                     # is a V1Pod unless deserialize=False, which clients before 35 do not accept.
                     if event.get("type") in ("ADDED", "MODIFIED") and self._pod_started(event.get("raw_object")):
                         return
             except ApiException as e:
-                if e.status != 410:
+                if e.status != 410 and e.status not in _TRANSIENT:
                     raise api_error(e, "watch pods of", kind, ns, name) from None
+                if e.status != 410:  # the API is briefly away: the next list waits it out
+                    time.sleep(_RELIST_PAUSE_S)
             except CONNECTION_ERRORS:
                 time.sleep(_RELIST_PAUSE_S)
             finally:

@@ -45,13 +45,12 @@ def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.Api
         and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     )
     try:
+        conf = kubernetes.client.Configuration()
         if in_cluster:
-            conf = kubernetes.client.Configuration()
             kubernetes.config.load_incluster_config(client_configuration=conf)
-            api = kubernetes.client.ApiClient(conf)
             namespace = _SA_NAMESPACE.read_text().strip() if _SA_NAMESPACE.exists() else None
         else:
-            api = kubernetes.config.new_client_from_config(config_file=config_file, context=cfg.context)
+            kubernetes.config.load_kube_config(config_file=config_file, context=cfg.context, client_configuration=conf)
             contexts, current = kubernetes.config.list_kube_config_contexts(config_file=config_file)
             chosen = next((c for c in contexts if c["name"] == cfg.context), None) if cfg.context else current
             namespace = ((chosen or {}).get("context") or {}).get("namespace")
@@ -60,7 +59,10 @@ def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.Api
             f"no usable Kubernetes configuration ({config_file}{', context ' + cfg.context if cfg.context else ''}): {e}; "
             "pass --kubeconfig/--context, or use the local backend (--local)"
         ) from None
-    return api, cfg.namespace or namespace or "default"
+    # urllib3 would try a request that timed out, or could not connect, 3 more times, each with the
+    # whole timeout: 4x the caller's deadline. The backend retries itself, within the deadline.
+    conf.retries = urllib3.Retry(total=3, connect=0, read=0)
+    return kubernetes.client.ApiClient(conf), cfg.namespace or namespace or "default"
 
 
 def _status_body(e: ApiException) -> dict[str, Any]:
@@ -69,6 +71,11 @@ def _status_body(e: ApiException) -> dict[str, Any]:
     except (TypeError, ValueError):
         body = {}
     return body if isinstance(body, dict) else {}
+
+
+def status_message(e: ApiException) -> str:
+    """The message of the API server's Status (else the HTTP reason)."""
+    return _status_body(e).get("message") or e.reason or ""
 
 
 #: The RBAC verb and resource (when not the job's own) each `verb` of `api_error` needs.
@@ -92,7 +99,7 @@ def api_error(
             return e
         return BackendError(f"failed to {verb} {what}: cannot reach the Kubernetes API: {e}", **ref)
     body = _status_body(e)
-    message = body.get("message") or e.reason or ""
+    message = status_message(e)
     reason = body.get("reason") or e.reason or ""
     details = body.get("details") or {}
     if e.status == 404:

@@ -152,6 +152,16 @@ class LocalBackend(Backend):
         except (OSError, ValueError):
             return None
 
+    def _no_status(self, d: Path) -> str:
+        """Why a job has no phase yet (submit writes one; its supervisor keeps it), and what to check."""
+        pid = self._supervisor_pid(d)
+        if pid is None:
+            return (f"no status yet: no local supervisor was started for it ({d / store.PID_FILE} is missing); "
+                    "delete it and submit it again")
+        running = "is running" if _supervisor_running(pid) else "is not running"
+        return (f"no status yet: its local supervisor (pid {pid}, {running}) has not written one; "
+                f"check its log, {d / store.SUPERVISOR_LOG}")
+
     def _supervisor_log_tail(self, d: Path, lines: int = 15) -> str:
         try:
             return "\n".join((d / store.SUPERVISOR_LOG).read_text(errors="replace").splitlines()[-lines:])
@@ -418,9 +428,10 @@ class LocalBackend(Backend):
                         kind=kind, namespace=ns, name=name,
                     )
             if deadline is not None and time.monotonic() >= deadline:
+                state = f"phase {phase_of(obj)}" if phase_of(obj) else self._no_status(d)
                 raise WaitTimeoutError(
                     f"timed out after {timeout:g}s waiting for {describe(kind, ns, name)} to reach "
-                    f"{describe_until(phases)} (phase {phase_of(obj)})",
+                    f"{describe_until(phases)} ({state})",
                     object=obj, kind=kind, namespace=ns, name=name,
                 )
             time.sleep(POLL_S)
