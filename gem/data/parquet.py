@@ -231,8 +231,10 @@ def write_splits(train: Examples | Iterable[Examples], eval_: Examples | Iterabl
     path = Path(path)
     write_examples(train, path / "train", **kwargs)
     write_examples(eval_, path / "eval", **kwargs)
-    meta = {"schemaVersion": SCHEMA_VERSION,
-            "numTrain": ParquetSource(path / "train").num_rows, "numEval": ParquetSource(path / "eval").num_rows}
+    # counted from the footers, not by ParquetSource: a writer records what it wrote, the reader refuses it
+    num_rows = {split: sum(pq.ParquetFile(f).metadata.num_rows for f in sorted((path / split).glob("*.parquet")))
+                for split in ("train", "eval")}
+    meta = {"schemaVersion": SCHEMA_VERSION, "numTrain": num_rows["train"], "numEval": num_rows["eval"]}
     (path / META_FILE).write_text(json.dumps(meta))
     return path
 
@@ -263,6 +265,10 @@ _TIME_COLUMNS = {"request_time": "request_time", "seq_timestamp.list.element": "
 _MAX_SECONDS = (1 << 32) - 1
 
 
+class TimeUnitError(ValueError):
+    """A time column whose values are not unix seconds (milliseconds, most often)."""
+
+
 def _check_seconds(f: Path, rg: Any) -> None:
     """Refuse time columns of a row group that are not unix seconds, from the footer's statistics (no
     data read): the model's time features (rotary time encoding, recency) would silently read them
@@ -276,9 +282,9 @@ def _check_seconds(f: Path, rg: Any) -> None:
         unit = next((u for u, scale in (("milliseconds", 10**3), ("microseconds", 10**6), ("nanoseconds", 10**9))
                      if st.min >= 0 and st.max // scale <= _MAX_SECONDS), None)
         looks = f" (they look like {unit})" if unit else ""
-        raise ValueError(f"{f.name}: {name} holds values in [{st.min}, {st.max}]{looks}, not unix seconds in "
-                         "[0, 2^32) as docs/data.md specifies: write request_time and seq_timestamp in seconds "
-                         "(e.g. divide milliseconds by 1000)")
+        raise TimeUnitError(f"{name} values in [{st.min}, {st.max}]{looks} in {f.name}: not unix seconds in "
+                            "[0, 2^32) as docs/data.md specifies; write request_time and seq_timestamp in seconds "
+                            "(e.g. divide milliseconds by 1000)")
 
 
 class ParquetSource:
