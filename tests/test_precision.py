@@ -32,13 +32,33 @@ def test_mxfp8_swaps_attention_and_mlp_linears_only():
     swapped = [n for n, m in model.named_modules() if isinstance(m, MXFP8Linear)]
     # attention projections (w_q / w_kv / w_qkv / wq / wkv, whatever the model calls them) are in MXFP8
     assert any(re.search(r"(^|\.)w_?(q|kv|qkv)$", n) for n in swapped), swapped
-    # every linear with MX-sized widths is swapped; the others (e.g. 2 -> d dense input) are not
+    # every linear with MX-sized widths outside the prediction heads is swapped; the others
+    # (e.g. the 2 -> d dense input, the heads' input projections) are not
     for n, m in model.named_modules():
         if isinstance(m, torch.nn.Linear):
             eligible = m.in_features % 32 == 0 and m.out_features % 32 == 0
-            assert isinstance(m, MXFP8Linear) == eligible, n
+            in_heads = any(part.endswith("heads") for part in n.split("."))
+            assert isinstance(m, MXFP8Linear) == (eligible and not in_heads), n
     assert set(model.state_dict()) == keys  # checkpoints unchanged
     assert apply_precision(model, "bf16") is model
+
+
+def test_mxfp8_keeps_the_prediction_heads_out():
+    """The heads' input projection (flattened summary tokens -> head hidden) reaches the logits with no
+    norm in between: torchtitan keeps its final projection ("output") out of MX for the same reason.
+    It must stay bf16 even where its widths happen to be multiples of 32 (736 -> 64 in tiny)."""
+    model, batch = tiny_model_and_batch()
+    heads = [(n, m) for n, m in model.named_modules() if n in ("heads.inp", "wide_heads.inp")]
+    assert len(heads) == 2 and all(m.in_features % 32 == 0 and m.out_features % 32 == 0 for _, m in heads)
+    mx = apply_precision(copy.deepcopy(model), "mxfp8")
+    assert not any(isinstance(m, MXFP8Linear) for n, m in mx.named_modules() if n.split(".")[0].endswith("heads"))
+    # most of MXFP8's logit error came from them: 6-7% of the logits' spread with the heads in MXFP8,
+    # 3.4-3.9% without (tiny preset, this batch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, out = model(batch), mx(batch)
+    for task in ref:
+        r, o = ref[task].float(), out[task].float()
+        assert float((o - r).std() / r.std()) < 0.05, task
 
 
 def test_mxfp8_outputs_close_to_bf16_and_gradients_flow():
@@ -120,3 +140,91 @@ def test_tensor_parallel_shards_of_an_mxfp8_linear_stay_mxfp8():
         assert res["plain"] > 0.01, res  # MXFP8's own error: what a bf16 shard would differ by
         assert res["column"] == 0.0, res  # the same blocks of 32 along the inputs: the same numbers
         assert res["row"] < 0.2 * res["plain"], res  # bf16 partial sums, all-reduced
+
+
+def _manifest(tmp_path, name: str, precision: str, zero: int = 1):
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": name},
+           "spec": {"model": {"preset": "tiny"},
+                    "data": {"synthetic": {"numUsers": 100, "numAds": 64, "numTrainExamples": 512,
+                                           "numEvalExamples": 128, "meanHistoryLen": 8}},
+                    "training": {"steps": 4, "batchSize": 32, "warmupSteps": 1, "precision": precision},
+                    "parallelism": {"zeroStage": zero},
+                    "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 2},
+                    "mlflow": {"enabled": False}}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+def test_mxfp8_with_a_torchao_lacking_the_mx_api_is_a_config_error(tmp_path, trainer_env, monkeypatch, capsys):
+    """torchao installed but without the MXFP8 training op precision.py calls (an older or newer
+    torchao: it is prototype API): exit 2 naming spec.training.precision at setup, not an ImportError
+    from the first forward (exit 1, and a restart loop under the operator)."""
+    import sys
+
+    from gem import cli
+
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.mxfp8_linear", None)  # its import fails
+    assert cli.main(["train", "--config", str(_manifest(tmp_path, "old-ao", "mxfp8"))]) == 2
+    err = capsys.readouterr().err
+    assert "spec.training.precision" in err and "mxfp8" in err and "torchao" in err, err
+    report = json.loads((tmp_path / "termination-log").read_text())
+    assert "spec.training.precision" in json.dumps(report)
+
+
+def _last_json(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def test_mxfp8_resume_matches_an_uninterrupted_run_and_gem_eval_reproduces_it(tmp_path, trainer_env, monkeypatch,
+                                                                              capsys):
+    """mxfp8 at ZeRO-1: a run failed after step 2 and resumed ends with the weights and metrics of one
+    that was not interrupted; `gem eval` of its checkpoint reports the trainer's final metrics (it
+    evaluates in the precision the checkpoint trained in: MX Linears, bf16 weights, bf16 autocast)."""
+    from gem import cli
+    from gem.train import checkpoint
+    from gem.train.trainer import Trainer
+
+    steps_run = []
+    train_step = Trainer._train_step
+    monkeypatch.setattr(Trainer, "_train_step", lambda self, batch: steps_run.append(1) or train_step(self, batch))
+    runs = {}
+    for name in ("straight", "resumed"):
+        config = _manifest(tmp_path, name, "mxfp8")
+        if name == "resumed":
+            monkeypatch.setenv("GEM_FAULT_AT_STEP", "2")
+            assert cli.main(["train", "--config", str(config)]) == 1
+            monkeypatch.delenv("GEM_FAULT_AT_STEP")
+        capsys.readouterr()
+        steps_run.clear()
+        assert cli.main(["train", "--config", str(config)]) == 0
+        assert len(steps_run) == (2 if name == "resumed" else 4)  # the resumed run went on from step 2
+        report = _last_json(capsys.readouterr().out)
+        runs[name] = (report, torch.load(checkpoint.latest_complete(tmp_path / "ckpt/local" / name) / "model.pt"),
+                      config)
+    (straight, weights, config), (resumed, resumed_weights, _) = runs["straight"], runs["resumed"]
+    assert resumed["step"] == 4 and resumed["checkpoint"].endswith("step-00000004")
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+    assert resumed["metrics"] == straight["metrics"]
+    assert cli.main(["eval", "--config", str(config)]) == 0
+    evaluated = _last_json(capsys.readouterr().out)
+    for key in ("ne", "loss", "ne/click", "auc/click", "ne/conversion"):
+        assert evaluated["metrics"][key] == pytest.approx(straight["metrics"][key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("capability,warned", [((9, 0), True), ((10, 0), False)])
+def test_mxfp8_on_a_gpu_without_mx_kernels_warns_that_it_is_emulated(monkeypatch, caplog, capability, warned):
+    """An H100 (sm_90) runs mxfp8 emulated, slower than bf16: said at setup, not silently. A B200 (sm_100)
+    gets torchao's real kernels. (No GPU here: the device is only asked for its capability and name.)"""
+    import logging
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    model, _ = tiny_model_and_batch()
+    with caplog.at_level(logging.INFO, logger="gem.train"):
+        apply_precision(model, "mxfp8", device=torch.device("cuda", 0))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gem.train" and r.levelno == logging.WARNING]
+    assert bool(warnings) == warned, warnings
+    if warned:
+        assert "sm_90" in warnings[0] and "emulated" in warnings[0] and "H100" in warnings[0]

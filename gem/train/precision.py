@@ -1,9 +1,12 @@
-"""Matmul precision applied from outside the model: `apply_precision(model, precision)`.
+"""Matmul precision applied from outside the model: `apply_precision(model, precision, device)`.
 
 - `fp32`, `bf16`: the model is left alone (bf16 is DeepSpeed's bf16 mode + autocast, see trainer.py).
-- `mxfp8`: every `nn.Linear` whose in and out widths are multiples of 32 (the MX block size) --
-  the attention projections and the MLPs; not the tiny input projections or the 1-wide task
-  heads -- is swapped in place for `MXFP8Linear`, which keeps the same parameters (so
+- `mxfp8`: every `nn.Linear` whose in and out widths are multiples of 32 (the MX block size),
+  outside the prediction heads -- the attention projections and the MLPs; not the tiny input
+  projections (widths not multiples of 32: skipped, and logged) nor anything under a module named
+  `*heads` (`heads`, `wide_heads`, a student's `heads` / `aux_heads`, whatever their widths: like
+  torchtitan's default `filter_fqns=["output"]`, the layers whose error goes straight into the
+  logits stay bf16) -- is swapped in place for `MXFP8Linear`, which keeps the same parameters (so
   DeepSpeed/ZeRO, checkpoints and `model.pt` are unchanged) and computes
   `x @ W.T` with torchao's MX formats: activations, weights and output gradients are cast to
   float8_e4m3 in blocks of 32 with an e8m0 (power-of-two) scale per block; the weight gradient
@@ -12,11 +15,13 @@
   (the trainer runs mxfp8 under bf16 autocast); everything else stays bf16.
   Kernels: torchao's real MXFP8 GEMMs on GPUs that have them (compute capability >= 10.0,
   e.g. B200); elsewhere (CPU, H100/H200) the emulated path (quantise -> dequantise -> bf16
-  matmul), which is numerically the same and useful for accuracy checks, not speed.
+  matmul), which is numerically the same and useful for accuracy checks, not speed (on such a
+  GPU apply_precision logs a warning).
   Tensor parallelism (gem/parallel/tensor_parallel.py) replaces the Linears it splits by their
   shards, which keep `MXFP8Linear.matmul` while their widths stay multiples of 32.
 
-torchao is optional (the `train` extra pins it); without it `mxfp8` raises a clear error.
+torchao is optional (the `train` extra pins it); without it, or with one that lacks the MX training
+op used here (prototype API), `mxfp8` is a config error naming spec.training.precision (exit 2).
 """
 
 from __future__ import annotations
@@ -27,9 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gem.data.errors import SpecError
+
 log = logging.getLogger("gem.train")
 
 MX_BLOCK = 32
+#: Modules whose Linears stay bf16 under mxfp8, matched by name (any component ending in it).
+MX_SKIP_SUFFIX = "heads"
 
 
 def mx_kernel_preference(device: torch.device | None = None) -> Any:
@@ -81,30 +90,61 @@ class MXFP8Linear(nn.Linear):
         return linear  # type: ignore[return-value]
 
 
-def mx_eligible(module: nn.Module) -> bool:
+def mx_eligible(module: nn.Module, name: str = "") -> bool:
+    """A Linear mxfp8 swaps: MX-sized widths (else torchao's blocks of 32 do not tile it) and not in a head."""
     return (isinstance(module, nn.Linear) and not isinstance(module, MXFP8Linear)
-            and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0)
+            and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
+            and not in_heads(name))
 
 
-def apply_precision(model: nn.Module, precision: str) -> nn.Module:
-    """Prepare `model` for `precision` (fp32 | bf16 | mxfp8), in place; returns it."""
+def in_heads(name: str) -> bool:
+    return any(part.endswith(MX_SKIP_SUFFIX) for part in name.split("."))
+
+
+def _check_torchao() -> None:
+    """Import what mxfp8_linear calls now, so a missing or incompatible torchao is a config error at setup."""
+    try:
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm  # noqa: F401
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: F401
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: F401
+    except ImportError as e:
+        try:
+            from importlib.metadata import version
+
+            found = f"torchao {version('torchao')} is installed but lacks its MXFP8 training op ({e})"
+        except Exception:  # noqa: BLE001 - not installed at all
+            found = "torchao is not installed"
+        raise SpecError(f"spec.training.precision mxfp8 needs torchao >= 0.18 with "
+                        f"torchao.prototype.moe_training.mxfp8_linear: {found}. Install gem-platform[train] "
+                        "(it pins torchao), or set spec.training.precision to bf16") from e
+
+
+def apply_precision(model: nn.Module, precision: str, device: torch.device | None = None) -> nn.Module:
+    """Prepare `model` for `precision` (fp32 | bf16 | mxfp8), in place; returns it.
+
+    `device`: where it will train; a GPU without MX tensor cores gets a warning (emulated, slow)."""
     precision = str(getattr(precision, "value", precision))
     if precision in ("fp32", "bf16"):
         return model
     if precision != "mxfp8":
         raise ValueError(f"unknown training.precision {precision!r}: use fp32, bf16 or mxfp8")
-    try:
-        import torchao  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError("training.precision mxfp8 needs torchao: pip install 'gem-platform[train]' "
-                           "(or pip install torchao)") from e
-    swapped = [name for name, m in model.named_modules() if mx_eligible(m)]
-    for name, m in model.named_modules():
-        if name in swapped:
-            MXFP8Linear.from_linear(m)
-    skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in swapped
-               and not isinstance(m, MXFP8Linear)]
-    log.info("mxfp8: %d linear layers in MXFP8 (%s); %d kept in bf16 (widths not multiples of %d: %s)",
-             len(swapped), ", ".join(swapped[:8]) + ("..." if len(swapped) > 8 else ""), len(skipped), MX_BLOCK,
-             ", ".join(skipped[:8]))
+    _check_torchao()
+    chosen = [(name, m) for name, m in model.named_modules() if mx_eligible(m, name)]
+    for _, m in chosen:
+        MXFP8Linear.from_linear(m)
+    swapped = [name for name, _ in chosen]
+    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, MXFP8Linear)]
+    log.info("mxfp8: %d linear layers in MXFP8 (%s); %d kept in bf16 (prediction heads, or widths not "
+             "multiples of %d: %s)", len(swapped), ", ".join(swapped[:8]) + ("..." if len(swapped) > 8 else ""),
+             len(kept), MX_BLOCK, ", ".join(kept[:8]))
+    if device is not None and device.type == "cuda":
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        if mx_kernel_preference(device) == KernelPreference.EMULATED:
+            # torchtitan refuses mxfp8 below sm100; here emulation stays allowed (accuracy checks), but said
+            major, minor = torch.cuda.get_device_capability(device)
+            log.warning("mxfp8 on %s (sm_%d%d): torchao's MXFP8 GEMMs need compute capability >= 10.0 "
+                        "(e.g. B200), so the MX numerics are emulated (quantise, dequantise, bf16 matmul): "
+                        "slower than bf16, right for accuracy checks only", torch.cuda.get_device_name(device),
+                        major, minor)
     return model

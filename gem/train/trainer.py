@@ -87,7 +87,8 @@ class Trainer:
         seed_everything(training.seed)
         self.data = load_data(self.spec.data, max_history=self.task.max_seq_len)
         self.eval_examples = self.data.eval
-        model = apply_precision(self.task.build_model(), training.precision)  # mxfp8: MX matmuls (precision.py)
+        # mxfp8: MX matmuls (precision.py); the device: a GPU without MX kernels gets a warning (emulated)
+        model = apply_precision(self.task.build_model(), training.precision, device=self.env.device)
         n_params = sum(p.numel() for p in model.parameters())  # whole: before tp / ep / ZeRO-3 shard it
         try:
             self.parallel = setup_parallel(model, self.spec, self.env, max_seq_len=self.task.max_seq_len)
