@@ -272,3 +272,20 @@ def test_server_shutdown_leaves_no_orphans(tmp_path):
         pid = pid_of(s, "orph-master-0")
     assert gone(pid)
     assert os.path.isdir(tmp_path / "pods")
+
+
+async def test_a_cancel_that_lands_as_the_executor_is_poked_still_stops_it(tmp_path):
+    """Server shutdown cancels the loop while the pods it kills poke it: 3.11's asyncio.wait_for swallowed
+    that cancel and the loop ran on, so every KubeAPIServer.stop() so hit waited out its 30 s join."""
+    import asyncio
+
+    from tests.kubeapi.executor import PyTorchJobExecutor
+    from tests.kubeapi.store import Store
+
+    executor = PyTorchJobExecutor(Store(), tmp_path, tick=0.2)
+    executor.start(asyncio.get_running_loop())
+    await asyncio.sleep(0.05)  # the loop is waiting for a poke or its tick
+    executor._wake.set()
+    executor._task.cancel()
+    done, _ = await asyncio.wait([executor._task], timeout=10)  # a guard, not a timing: it stops or it never does
+    assert executor._task in done and executor._task.cancelled()

@@ -132,9 +132,10 @@ class SolarisService:
                     log.info("precompute recovered after %d failed rounds", self.consecutive_failures)
                 self.consecutive_failures, self.last_error = 0, None
                 self._logged_errors.clear()
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout: 3.11's wait_for can swallow a cancel that lands as stop is set
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
+            except TimeoutError:
                 pass
 
     def _round_failed(self, e: Exception) -> None:

@@ -439,9 +439,10 @@ class KubeApp:
                 wait = 1.0
                 if deadline is not None:
                     wait = min(wait, deadline - now)
-                try:
-                    item = await asyncio.wait_for(w.queue.get(), wait)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout: 3.11's wait_for can swallow the cancel of a server shutdown
+                    async with asyncio.timeout(wait):
+                        item = await w.queue.get()
+                except TimeoutError:
                     item = ...
                 if item is None:
                     break  # dropped

@@ -141,9 +141,12 @@ class PyTorchJobExecutor:
     async def _run(self) -> None:
         assert self._wake is not None
         while True:
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the event is
+            # set (shutdown kills pods, whose events poke it), and the loop ran on: a 30 s hang at stop
             try:
-                await asyncio.wait_for(self._wake.wait(), self.tick)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.tick):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
