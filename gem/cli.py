@@ -216,14 +216,15 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
 
         def setup() -> tuple[Any, Any, Any]:
             model, saved = _load_checkpoint_model(ckpt, with_manifest=True)
-            with _spec_errors_as_config_errors():
+            # the precision the checkpoint trained (and was evaluated) in: its gem.yaml's, not the --config's
+            precision = getattr(getattr(saved.spec, "training", None), "precision", "fp32")
+            with _spec_errors_as_config_errors():  # e.g. mxfp8 with a torchao lacking the MX op: exit 2
+                model = as_trained(model, precision)
                 data = load_data(manifest.spec.data, max_history=model.max_seq_len)
-            return model, saved, data
+            return model, precision, data
 
-        model, saved, data = _on_every_rank(setup)
-        # the precision the checkpoint trained (and was evaluated) in: its gem.yaml's, not the --config's
-        precision = getattr(getattr(saved.spec, "training", None), "precision", "fp32")
-        model = as_trained(model, precision).to(device).eval()
+        model, precision, data = _on_every_rank(setup)
+        model = model.to(device).eval()
 
         def predict(batch: Any) -> Any:
             with eval_autocast(device, precision):

@@ -79,6 +79,25 @@ def test_a_checkpoint_that_does_not_load_is_a_config_error(tmp_path, capsys, how
         assert f"--checkpoint {ckpt}" in json.loads((tmp_path / "termination-log").read_text())["error"]
 
 
+def test_eval_of_an_mxfp8_checkpoint_with_a_torchao_lacking_the_mx_api_is_a_config_error(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """gem eval rebuilds an mxfp8 checkpoint's MX Linears (gem.eval.evaluate.as_trained): a torchao
+    without the MX training op is the same config error as at `gem train` (exit 2 naming
+    spec.training.precision), not a traceback (exit 1). Simulated as in tests/test_precision.py."""
+    import sys
+
+    ckpt = a_checkpoint(tmp_path / "step-00000001")
+    mxfp8 = {**MANIFEST, "spec": {**MANIFEST["spec"], "training": {"precision": "mxfp8"}}}
+    (ckpt / checkpoint.MANIFEST_FILE).write_text(yaml.safe_dump(mxfp8))
+    config = tmp_path / "ev.yaml"
+    config.write_text(yaml.safe_dump(MANIFEST))
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.mxfp8_linear", None)  # its import fails
+    assert cli.main(["eval", "--config", str(config), "--checkpoint", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.training.precision" in err and "mxfp8" in err and "torchao" in err, err
+    assert "spec.training.precision" in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
 def _last_json(out):
     return json.loads(out.strip().splitlines()[-1])
 

@@ -228,3 +228,53 @@ def test_mxfp8_on_a_gpu_without_mx_kernels_warns_that_it_is_emulated(monkeypatch
     assert bool(warnings) == warned, warnings
     if warned:
         assert "sm_90" in warnings[0] and "emulated" in warnings[0] and "H100" in warnings[0]
+
+
+def _fp32_masters_by_name(engine) -> dict:
+    """What the optimizer steps, by parameter name: the fp32 tensors the wrapped AdamW updates
+    (ZeRO-0: FP16_UnfusedOptimizer hands it fp32 copies, parallel to the module's bf16 parameters),
+    or DeepSpeed's assembled fp32 partitions (ZeRO-1 and up)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 0:
+        assert type(opt).__name__ == "FP16_UnfusedOptimizer", type(opt)
+        pairs = [(lp, hp) for lps, group in zip(opt.fp16_groups, opt.optimizer.param_groups)
+                 for lp, hp in zip(lps, group["params"], strict=True)]
+        return {names[id(lp)]: hp.detach().float().cpu().clone() for lp, hp in pairs}
+    return {n: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("precision,zero", [("bf16", 0), ("mxfp8", 0), ("bf16", 1)])
+def test_model_pt_holds_the_fp32_master_weights(tmp_path, trainer_env, monkeypatch, precision, zero):
+    """model.pt (serving, gem eval, distillation teachers, the registry) is the optimizer's fp32 master
+    weights, not the bf16 module parameters. At ZeRO-0 DeepSpeed's FP16_UnfusedOptimizer links no
+    master to its parameter (safe_get_full_fp32_param returns None): model.pt held the bf16 weights,
+    every value of it exactly representable in bf16."""
+    from gem import cli
+    from gem.train import checkpoint
+
+    masters = {}
+    save = checkpoint.save
+
+    def recording_save(engine, env, job, *, step, **kwargs):
+        masters[step] = _fp32_masters_by_name(engine)
+        for name, p in engine.module.named_parameters():  # the module holds the masters rounded to bf16
+            assert p.dtype == torch.bfloat16 and torch.equal(masters[step][name].bfloat16(), p.detach().cpu()), name
+        return save(engine, env, job, step=step, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", recording_save)
+    path = _manifest(tmp_path, f"m-{precision}-z{zero}", precision, zero)
+    assert cli.main(["train", "--config", str(path)]) == 0
+    ckpt = checkpoint.latest_complete(tmp_path / f"ckpt/local/m-{precision}-z{zero}")
+    assert ckpt is not None and ckpt.name == "step-00000004"
+    weights = torch.load(ckpt / "model.pt", weights_only=True)
+    expected = masters[4]
+    assert expected.keys() <= weights.keys()
+    for name, master in expected.items():
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], master), name
+    # the masters moved off the bf16 grid (so the check above tells them from the module's weights)
+    values = torch.cat([master.flatten() for master in expected.values()])
+    assert float((values.bfloat16().float() != values).float().mean()) > 0.3

@@ -139,6 +139,41 @@ def test_gradient_accumulation_overrides_are_refused(tmp_path, capsys):
                  "spec.training.deepspeed.gradient_accumulation_steps")
 
 
+@pytest.mark.parametrize("precision,key,section", [("bf16", "bf16", {"enabled": False}),
+                                                   ("mxfp8", "bf16", {"enabled": False}),
+                                                   ("fp32", "bf16", {"enabled": True}),
+                                                   ("fp32", "bfloat16", {"enabled": True}),
+                                                   ("fp32", "fp16", {"enabled": True}),
+                                                   ("bf16", "fp16", {"enabled": True})])
+def test_precision_overrides_that_contradict_spec_training_precision_are_refused(precision, key, section):
+    """bf16.enabled false with precision bf16 trained fp32 weights under bf16 autocast, which gem eval
+    then evaluated cast to bf16 (other metrics than the trainer's); fp16 (not offered) was accepted."""
+    from gem.api.types import ParallelismSpec, TrainingSpec
+    from gem.train.dist import deepspeed_config
+
+    training = TrainingSpec.model_validate({"batchSize": 8, "precision": precision, "deepspeed": {key: section}})
+    with pytest.raises(SpecError, match=rf"^spec\.training\.deepspeed\.{key}: .*spec\.training\.precision"):
+        deepspeed_config(training, ParallelismSpec(), world_size=1)
+
+
+def test_precision_overrides_that_agree_with_spec_training_precision_are_merged():
+    from gem.api.types import ParallelismSpec, TrainingSpec
+    from gem.train.dist import deepspeed_config
+
+    training = TrainingSpec.model_validate({"batchSize": 8, "precision": "bf16", "deepspeed": {
+        "bf16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False}}})
+    config = deepspeed_config(training, ParallelismSpec(), world_size=1)
+    assert config["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert config["fp16"] == {"enabled": False}
+
+
+def test_a_bf16_override_disabling_bf16_is_a_config_error(tmp_path, capsys):
+    path = manifest(tmp_path, "nobf16", training={"precision": "bf16", "deepspeed": {"bf16": {"enabled": False}}})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.training.deepspeed.bf16")
+    assert "spec.training.precision" in json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert checkpoint.latest_complete(tmp_path / "ckpt/local/nobf16") is None
+
+
 def test_shards_with_bf16_are_a_config_error_on_every_rank(tmp_path):
     """ep=2 with bf16 (2 ranks, ZeRO-2, the tiny preset's 2 experts): the expert shards would train
     without fp32 master weights. The trainer refused it with a plain ValueError (exit 1: Kubernetes

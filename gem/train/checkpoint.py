@@ -5,7 +5,7 @@ Layout, under <spec.checkpoint.path>/<namespace>/<name>/:
     step-00000200/
       COMPLETE                      # written last: only directories holding it are checkpoints
       gem.yaml                      # the manifest the model was trained from
-      model.pt                      # consolidated fp32 state dict (gathered under ZeRO-3)
+      model.pt                      # consolidated fp32 state dict: the fp32 master weights (gathered under ZeRO-3)
       trainer_state.json            # step, totalSteps, loader position, MLflow run id
       rng/rank-00000.pt             # per-rank RNG states
       shards/rank-00000.pt          # ep / sparse_shard runs: this rank's expert and embedding-row shards,
@@ -137,24 +137,52 @@ def latest_complete(job: Path) -> Path | None:
 # --------------------------------------------------------------------------- model weights
 
 
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The whole model in fp32 on CPU. Collective: every rank must call it (ZeRO-3 gathers shards).
+def _fp32_masters(engine: Any) -> Any:
+    """param -> its fp32 master weights (whole, on any device), or None where the module's own
+    parameter is the master (fp32 without ZeRO).
 
-    With ZeRO or bf16 the fp32 master weights live in the optimizer; safe_get_full_fp32_param
-    assembles them. Plain fp32 without ZeRO has no master copy: the module's parameters are it.
+    ZeRO-1/2/3 and DeepSpeed's BF16_Optimizer link each parameter to its master fragment:
+    safe_get_full_fp32_param assembles it. ZeRO-0 in bf16 (and mxfp8, which runs DeepSpeed's bf16
+    mode) wraps the trainer's torch AdamW in FP16_UnfusedOptimizer, which keeps the masters in
+    `fp32_groups`, lists parallel to the module's low-precision parameters in `fp16_groups`, and
+    links nothing: safe_get_full_fp32_param returns None for them, and the module's bf16 parameters
+    are the masters rounded to bf16, not the masters.
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
+    optimizer = getattr(engine, "optimizer", None)
+    masters: dict[int, torch.Tensor] = {}
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if low is not None and high is not None:
+        for lp_group, hp_group in zip(low, high, strict=True):
+            for lp, hp in zip(lp_group, hp_group, strict=True):
+                masters[id(lp)] = hp
+
+    def master(param: torch.Tensor) -> torch.Tensor | None:
+        full = safe_get_full_fp32_param(param)
+        return masters.get(id(param)) if full is None else full
+
+    return master
+
+
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The whole model in fp32 on CPU. Collective: every rank must call it (ZeRO-3 gathers shards).
+
+    With ZeRO or bf16 the fp32 master weights live in the optimizer (`_fp32_masters`), and they are
+    what is saved, not the bf16 module parameters. Plain fp32 without ZeRO has no master copy: the
+    module's parameters are it.
+    """
+    master = _fp32_masters(engine)
     applied = getattr(engine.module, "gem_parallel", None)
     if applied is not None and (applied.tensor_parallel or applied.expert_parallel or applied.sparse):
         # sharded by gem.parallel: gather the single-device tensors (names and shapes of build_model)
         from gem.parallel.parallelize import full_state_dict as gather_full
 
-        full = gather_full(engine.module, value=safe_get_full_fp32_param)
+        full = gather_full(engine.module, value=master)
         return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
     out: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param)
+        full = master(param)
         out[name] = (param.detach() if full is None else full).float().cpu().clone()
     for name, buf in engine.module.named_buffers():
         out[name] = buf.detach().cpu().clone()

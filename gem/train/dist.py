@@ -188,6 +188,7 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
     overrides, _ = deepspeed_overrides(training.deepspeed)
     if overrides:
         _check_batch_overrides(overrides, config)
+        _check_precision_overrides(overrides, config)
         config = _merge(config, overrides)
     return config
 
@@ -208,3 +209,30 @@ def _check_batch_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -
         if key in overrides and overrides[key] != derived[key]:
             raise SpecError(f"spec.training.deepspeed.{key}: {overrides[key]!r} differs from the trainer's "
                             f"{derived[key]!r}; {fix}")
+
+
+#: DeepSpeed's precision sections ("bfloat16" is its old name for "bf16"): the trainer derives them
+#: from spec.training.precision, which the rest of the job reads too (the autocast around each step,
+#: gem eval's cast of the checkpoint, resume's check of what changed). One that differs would train
+#: in another precision than the spec says: bf16.enabled false with precision bf16 trains fp32
+#: weights that gem eval then evaluates cast to bf16; fp16 is not offered.
+_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def _check_precision_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
+    """Refuse training.deepspeed precision sections that differ from what spec.training.precision
+    derives (a SpecError). `enabled` is what is compared; a section that agrees with the derived one
+    (e.g. bf16.enabled true with precision bf16, or fp16.enabled false) is merged as any other key."""
+    for key in _PRECISION_KEYS:
+        if key not in overrides:
+            continue
+        derived_on = _enabled(derived.get("bf16" if key == "bfloat16" else key))
+        section = overrides[key]
+        if not isinstance(section, dict) or ("enabled" in section and section["enabled"] != derived_on):
+            raise SpecError(f"spec.training.deepspeed.{key}: {section!r} differs from the trainer's "
+                            f"{{'enabled': {derived_on}}}, which spec.training.precision sets; remove it and use "
+                            "spec.training.precision (fp32, bf16 or mxfp8; fp16 is not offered)")
