@@ -309,3 +309,101 @@ def test_metrics_from_an_unreachable_in_cluster_mlflow_fails_soon_and_says_why(k
     assert f"MLflow at {uri}" in r.stderr and "spec.mlflow.trackingUri" in r.stderr
     assert "--mlflow-tracking-uri" in r.stderr
     assert 1 <= len(requests) <= 3  # the first request and at most 2 retries
+
+
+# --------------------------------------------------------------------------- following across restarts
+
+# A trainer that fails once and succeeds when restarted (in place, restartPolicy OnFailure). Its first
+# container waits for GO (made once its last line was printed) so that it is surely followed before
+# it fails; a follower that ends with it would never print the second container's lines.
+RESTARTING_TRAINER = textwrap.dedent(
+    """\
+    import os, sys, time
+    marker, go = sys.argv[1], sys.argv[2]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        print("first container: step 1", flush=True)
+        print("first container: crashing", flush=True)
+        for _ in range(1200):  # at most 60 s: a guard, not a timing
+            if os.path.exists(go):
+                break
+            time.sleep(0.05)
+        sys.exit(1)
+    print("second container: resumed from checkpoint", flush=True)
+    print("second container: done", flush=True)
+    """
+)
+RESTART_LINE = "--- {pod} restarted (restart 1, backoffLimit 2); following the new container ---"
+
+
+def _restarting_manifest(tmp_path: Path) -> str:
+    return write(tmp_path, "again", MANIFEST.format(name="again").replace("backoffLimit: 0", "backoffLimit: 2"))
+
+
+def _restarting_command(tmp_path: Path) -> list[str]:
+    return [sys.executable, "-c", RESTARTING_TRAINER, str(tmp_path / "marker"), str(tmp_path / "go")]
+
+
+def _go_after_the_first_container(monkeypatch, tmp_path: Path) -> None:
+    """Let the first container fail once gemctl has printed its last line. backoffLimit 2: one restart."""
+    import gem_sdk.cli as cli
+
+    echo = cli._echo
+
+    def echo_then_go(line: str) -> None:
+        echo(line)
+        if line == "first container: crashing":
+            (tmp_path / "go").touch()
+
+    monkeypatch.setattr(cli, "_echo", echo_then_go)
+
+
+def _assert_followed_across_the_restart(r, pod: str, name: str) -> None:
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    logged = [line for line in lines if "container" in line]
+    assert logged == ["first container: step 1", "first container: crashing", RESTART_LINE.format(pod=pod),
+                      "second container: resumed from checkpoint", "second container: done"], r.output
+    assert lines[-1] == f"gemtraining.gem.dev/{name} succeeded"
+
+
+@pytest.mark.timeout(180)
+def test_submit_follow_goes_on_after_a_restart_locally(home, monkeypatch):
+    def patch(job: dict) -> dict:
+        for rs in job["spec"]["pytorchReplicaSpecs"].values():
+            ctr = rs["template"]["spec"]["containers"][0]
+            ctr["command"], ctr["args"] = _restarting_command(home), []
+        return job
+
+    monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(patch))
+    _go_after_the_first_container(monkeypatch, home)
+    r = gemctl("submit", "-f", _restarting_manifest(home), "--follow", "--timeout", "120", "--local")
+    _assert_followed_across_the_restart(r, "again-train-master-0", "again")
+    pods = json.loads(gemctl("pods", "gt", "again", "--local", "-o", "json").stdout)
+    assert [p["restartCount"] for p in pods] == [1], pods
+
+
+@pytest.mark.timeout(180)
+def test_submit_follow_goes_on_after_a_restart_on_a_cluster(kubeapi, tmp_path, monkeypatch):
+    from tests.kubeapi.testing import condition, pytorchjob
+
+    kc = str(kubeapi.kubeconfig_path)
+
+    def operator() -> None:
+        """What the gem operator does here: run the PyTorchJob, mirror its end into the resource."""
+        while kubeapi.get("gem.dev/v1alpha1", "GEMTraining", "again") is None:
+            time.sleep(0.05)
+        kubeapi.create("kubeflow.org/v1", "PyTorchJob", pytorchjob(
+            "again-train", _restarting_command(tmp_path), run_policy={"backoffLimit": 2}))
+        kubeapi.patch_status("gem.dev/v1alpha1", "GEMTraining", "again", {"phase": "Running"})
+        while not condition(kubeapi.get("kubeflow.org/v1", "PyTorchJob", "again-train"), "Succeeded"):
+            time.sleep(0.05)
+        kubeapi.patch_status("gem.dev/v1alpha1", "GEMTraining", "again", {"phase": "Succeeded"})
+
+    threading.Thread(target=operator, daemon=True).start()
+    _go_after_the_first_container(monkeypatch, tmp_path)
+    r = gemctl("submit", "-f", _restarting_manifest(tmp_path), "--follow", "--timeout", "120", "--kubeconfig", kc)
+    _assert_followed_across_the_restart(r, "again-train-master-0", "again")
+    pod = kubeapi.get("v1", "Pod", "again-train-master-0")
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 1
+

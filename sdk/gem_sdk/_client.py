@@ -219,6 +219,58 @@ class GEMClient:
             name, kind=kind, namespace=namespace, replica=replica, index=index, follow=follow, timeout=timeout
         )
 
+    def follow(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        timeout: float | None = None,
+    ) -> Iterator[str | ReplicaPod]:
+        """Stream one trainer pod's log until the job is done with it, across container restarts.
+
+        `logs(follow=True)` ends with the container, as `kubectl logs -f` does. This goes on: when
+        the container ends while the job runs, it waits for the next one (a restart under
+        restartPolicy OnFailure, a recreated pod, a resume) and streams that one from its start,
+        never a line of the previous one again; it ends when no other container will come (the job
+        ended, or the pod succeeded). The next container is read only once the pod's status shows
+        it started (another containerID and restartCount): before that a log request would read the
+        old one again. `gemctl submit --follow` uses it.
+
+        Args:
+            name: The job's name, or a typed object.
+            kind: Default: the object's kind, else GEMTraining.
+            namespace: Default: the object's, else the backend's.
+            replica: `master` or `worker`.
+            index: Replica index (0 for the master; 0..numNodes-2 for workers).
+            timeout: Seconds to wait at most for each container to start (the first, and each
+                next one). Default: forever.
+
+        Returns:
+            An iterator of log lines (`str`, without their newlines) and, before the lines of each
+            new container, that pod as a `ReplicaPod` (its `restart_count`, `started_at`).
+
+        Raises:
+            NotFoundError: as `logs`: no such job or replica, or it ended without that pod; or the
+                job was deleted meanwhile.
+            ValidationError: bad replica or index.
+            WaitTimeoutError: a container did not start within `timeout`.
+            BackendError: the API or the local runtime failed.
+        """
+        where = {"kind": kind, "namespace": namespace, "replica": replica, "index": index, "timeout": timeout}
+        # The first container is waited for now, so that NotFoundError comes from this call, as from logs.
+        return self._follow(name, self.backend._container_log(name, **where), where)  # type: ignore[attr-defined]
+
+    def _follow(self, name: Ref, opened: tuple | None, where: dict) -> Iterator[str | ReplicaPod]:
+        while opened is not None:
+            key, _, lines = opened
+            yield from lines
+            opened = self.backend._container_log(name, after=key, **where)  # type: ignore[attr-defined]
+            if opened is not None:
+                yield opened[1]  # announces the next container, before its lines
+
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
         """Delete a job; its PyTorchJob, pods (or local processes) and config go with it.
 

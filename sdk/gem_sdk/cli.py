@@ -212,7 +212,7 @@ def _show_final(obj: Resource, output: Output) -> None:
 def submit(
     filename: Annotated[str, typer.Option("-f", "--filename", help="Manifest file (YAML or JSON; '-' reads stdin). Several documents are submitted in order.", show_default=False)],
     wait: Annotated[bool, typer.Option("--wait", help="Wait for the job to finish and print its final metrics.")] = False,
-    follow: Annotated[bool, typer.Option("--follow", help="Stream the master's log while it runs (implies --wait).")] = False,
+    follow: Annotated[bool, typer.Option("--follow", help="Stream the master's log while it runs, across restarts of its container (implies --wait).")] = False,
     timeout: TimeoutOpt = None,
     local: LocalOpt = False,
     kubeconfig: KubeconfigOpt = None,
@@ -248,17 +248,23 @@ def submit(
 
 
 def _follow_log(client: GEMClient, obj: Resource, deadline: float | None) -> bool:
-    """Stream the master's log until its container exits; WaitTimeoutError at the deadline.
+    """Stream the master's log until the job is done with it, across restarts of its container
+    (`GEMClient.follow`), each announced by one line; WaitTimeoutError at the deadline.
 
     Returns False, with nothing streamed, when the pod never started: the job ended first (e.g.
     Invalid) or is suspended. The wait that comes next then says why, with its exit code.
     """
     pod = pod_name(obj.kind, obj.metadata.name, "master", 0)
+    limit = obj.spec.run_policy.backoff_limit
     try:
         # Read by a thread so that the deadline holds while the stream blocks.
-        for _, line in _interleave([(pod, lambda: client.logs(obj, follow=True, timeout=_time_left(deadline)))],
+        for _, item in _interleave([(pod, lambda: client.follow(obj, timeout=_time_left(deadline)))],
                                    deadline=deadline):
-            _echo(line)
+            if isinstance(item, str):
+                _echo(item)
+            else:  # a new container: without this line a restart looks like a hang, or like one log
+                _echo(f"--- {item.name} restarted (restart {item.restart_count}, backoffLimit {limit}); "
+                      "following the new container ---")
     except NotFoundError:
         return False
     return True

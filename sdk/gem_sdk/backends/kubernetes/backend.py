@@ -386,6 +386,53 @@ class KubernetesBackend(Backend):
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         pod = pod_name(kind, name, replica, index)
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_replica(kind, ns, name, pod, replica, index, deadline)
+        self._wait_for_pod(kind, ns, name, pod, deadline)
+        return self._lines(self._read_log(kind, ns, name, pod, follow), kind, ns, name)
+
+    def _container_log(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        after: Any = None,
+        timeout: float | None = None,
+    ) -> tuple[Any, ReplicaPod, Iterator[str]] | None:
+        """The followed log of the replica's container, once one other than `after` (a key this
+        returned before; None: any) has started: (its key, the pod, its lines). None when no other
+        will come (the job ended, or the pod succeeded). What `GEMClient.follow` is built on.
+
+        A log request reads the pod's current container, or its last terminated one until the
+        kubelet has started the next: so a restarted container is read only once the pod's status
+        shows it (another containerID and restartCount, running or terminated).
+        """
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if after is None:
+            self._check_replica(kind, ns, name, pod, replica, index, deadline)
+        while True:
+            seen = self._wait_for_pod(kind, ns, name, pod, deadline, after=after)
+            if seen is None:
+                return None
+            resp = self._read_log(kind, ns, name, pod, follow=True)
+            try:
+                # Not cut to the deadline: the log is open, the wait for it is over.
+                items = self._list_pod(kind, ns, name, pod, None).get("items") or []
+            except BaseException:
+                resp.close()
+                raise
+            if items and _container_key(items[0]) == _container_key(seen):
+                return _container_key(seen), pod_from_wire(seen), self._lines(resp, kind, ns, name)
+            # The container changed around the request: which one answered is unknown. Ask again.
+            resp.close()
+            resp.release_conn()
+
+    def _check_replica(self, kind: str, ns: str, name: str, pod: str, replica: str, index: int,
+                       deadline: float | None) -> None:
         # NotFoundError now, not at the first next(); within the timeout even if the API never answers.
         job = from_wire(self._ride_out(
             lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
@@ -394,7 +441,8 @@ class KubernetesBackend(Backend):
             retry=False,
         ))
         check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
-        self._wait_for_pod(kind, ns, name, pod, deadline)
+
+    def _read_log(self, kind: str, ns: str, name: str, pod: str, follow: bool) -> Any:
         # follow as kubectl sends it ("true"); the client would send Python's "True", which a
         # strict server (e.g. the test API server) does not take for true. The timeout bounds the
         # wait for the pod, not its log: this request has the defaults.
@@ -407,7 +455,17 @@ class KubernetesBackend(Backend):
             sock = getattr(getattr(resp, "connection", None), "sock", None)
             if sock is not None:
                 sock.settimeout(None)
-        return self._lines(resp, kind, ns, name)
+        return resp
+
+    def _list_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None) -> dict[str, Any]:
+        """The pod as a list of at most one (no 404 for a pod that is gone); an API server that is
+        briefly away is waited out."""
+        return self._ride_out(
+            # The body is read inside: a connection dropped while it is read is retried too.
+            lambda t: _json(self.core.list_namespaced_pod(ns, field_selector=f"metadata.name={pod}",
+                                                          _preload_content=False, _request_timeout=t)),
+            "list pods of", kind, ns, name, deadline=deadline, timed_out=self._pod_timed_out(ns, pod, kind, name),
+        )
 
     @staticmethod
     def _pod_timed_out(ns: str, pod: str, kind: str, name: str) -> Callable[[], NoReturn]:
@@ -431,32 +489,45 @@ class KubernetesBackend(Backend):
             for cs in status.get("containerStatuses") or []
         )
 
-    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None) -> None:
-        """Watch the pod until its container has started (its log exists), until `deadline`.
+    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None,
+                      after: Any = None) -> dict[str, Any] | None:
+        """Watch the pod until its container has started (its log exists), until `deadline`; the pod.
 
         Each watch lasts a few seconds so that a job that ended without ever starting this pod,
         or is suspended without it, is noticed (NotFoundError) instead of waiting forever. The
         job exists (logs got it), so an API server that is briefly away is waited out, as by wait.
+
+        With `after` (a `_container_key`), until a container other than that one has started
+        (a restart, a recreated pod, a resume), or None once none will: the pod succeeded or the
+        job ended. A suspended job is waited through (its pods come back on resume).
         """
         ref = {"kind": kind, "namespace": ns, "name": name}
-        selector = f"metadata.name={pod}"
         timed_out = self._pod_timed_out(ns, pod, kind, name)
+
+        def verdict(p: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
+            if p is None:
+                return False, None
+            if after is None:
+                return (True, p) if self._pod_started(p) else (False, None)
+            if _new_container(p, after):
+                return True, p
+            # A succeeded pod's containers are not restarted: nothing more comes from it.
+            return ((p.get("status") or {}).get("phase") == "Succeeded"), None
+
         while True:
-            body = self._ride_out(
-                # The body is read inside: a connection dropped while it is read is retried too.
-                lambda t: _json(self.core.list_namespaced_pod(ns, field_selector=selector, _preload_content=False,
-                                                              _request_timeout=t)),
-                "list pods of", kind, ns, name, deadline=deadline, timed_out=timed_out,
-            )
+            body = self._list_pod(kind, ns, name, pod, deadline)
             items = body.get("items") or []
-            if items and self._pod_started(items[0]):
-                return
+            done, found = verdict(items[0] if items else None)
+            if done:
+                return found
             job = from_wire(self._ride_out(
                 lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
                                                                    _request_timeout=t),
                 "get", kind, ns, name, deadline=deadline, timed_out=timed_out,
             ))
             if phase_of(job) in TERMINAL_PHASES:
+                if after is not None:
+                    return None
                 if items:  # kept by cleanPodPolicy None, but it will not start now (e.g. ImagePullBackOff)
                     raise NotFoundError(
                         f"pod {ns}/{pod} of {describe(kind, ns, name)} never started and the job is "
@@ -467,7 +538,7 @@ class KubernetesBackend(Backend):
                     f"{phase_of(job)}; its pods may have been cleaned up (runPolicy.cleanPodPolicy)",
                     **ref,
                 )
-            if not items:
+            if not items and after is None:
                 # Suspended stays so until a resume (spec.suspend false; the pods come back then),
                 # as the local backend says too.
                 if phase_of(job) == Phase.suspended.value and job.spec.suspend:
@@ -476,7 +547,9 @@ class KubernetesBackend(Backend):
                         "(resume it first)",
                         **ref,
                     )
-            segment = 5.0
+            # Between containers the job is not watched: look at it every second, so that its end
+            # is seen soon after its last container's.
+            segment = 5.0 if after is None else 1.0
             if deadline is not None:
                 segment = min(segment, deadline - time.monotonic())
                 if segment <= 0:
@@ -484,15 +557,17 @@ class KubernetesBackend(Backend):
             w = kubernetes.watch.Watch()
             try:
                 for event in w.stream(
-                    self.core.list_namespaced_pod, ns, field_selector=selector,
+                    self.core.list_namespaced_pod, ns, field_selector=f"metadata.name={pod}",
                     resource_version=(body.get("metadata") or {}).get("resourceVersion"),
                     timeout_seconds=max(1, math.ceil(segment)),
                     _request_timeout=_watch_timeouts(segment, deadline),
                 ):
                     # raw_object, the pod as JSON, is in every client version's events; `object`
                     # is a V1Pod unless deserialize=False, which clients before 35 do not accept.
-                    if event.get("type") in ("ADDED", "MODIFIED") and self._pod_started(event.get("raw_object")):
-                        return
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        done, found = verdict(event.get("raw_object"))
+                        if done:
+                            return found
             except ApiException as e:
                 if e.status != 410 and e.status not in _TRANSIENT:
                     raise api_error(e, "watch pods of", kind, ns, name) from None
@@ -502,6 +577,28 @@ class KubernetesBackend(Backend):
                 time.sleep(_RELIST_PAUSE_S)
             finally:
                 w.stop()
+
+
+def _container_status(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
+
+
+def _container_key(pod: dict[str, Any]) -> tuple[Any, ...]:
+    """Which container a log request for the pod reads now: the pod's uid, the containerID (in
+    CrashLoopBackOff, the terminated container's) and the restartCount."""
+    cs = _container_status(pod)
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    cid = cs.get("containerID") or ((cs.get("state") or {}).get("terminated") or {}).get("containerID") \
+        or last.get("containerID")
+    return ((pod.get("metadata") or {}).get("uid"), cid, int(cs.get("restartCount") or 0))
+
+
+def _new_container(pod: dict[str, Any], after: tuple[Any, ...]) -> bool:
+    """Whether the pod runs (or ran) a container other than `after`: a waiting one has no log yet,
+    and a request now would read the old one."""
+    state = _container_status(pod).get("state") or {}
+    return bool(state.get("running") or state.get("terminated")) and _container_key(pod) != after
 
 
 def _json(resp: Any) -> dict[str, Any]:

@@ -350,7 +350,7 @@ class LocalBackend(Backend):
         except store.UnreadableFileError:
             pods = []
         for pod in pods:
-            pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get("gem.dev/local-pid")
+            pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get(store.ANNOTATION_PID)
             state = ((pod.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
             if pod_pid and "running" in state:
                 try:
@@ -596,23 +596,97 @@ class LocalBackend(Backend):
             time.sleep(POLL_S)
         return self._tail(d, pod, log, follow)
 
-    def _pod_running(self, d: Path, pod: str) -> bool:
+    def _container_log(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        after: Any = None,
+        timeout: float | None = None,
+    ) -> tuple[Any, ReplicaPod, Iterator[str]] | None:
+        """The followed log of the replica's container, once one other than `after` (a key this
+        returned before; None: any) has started: (its key, the pod, its lines). None when no other
+        will come (the job ended, or the pod succeeded). What `GEMClient.follow` is built on; the
+        same contract as the Kubernetes backend's.
+
+        A container here is its log file: every start (a restart, a resume) moves the old log to
+        `<log>.previous` and writes a new file, so the inode tells one container from the next,
+        exactly. pods.yaml names it too (`store.ANNOTATION_LOG_INODE`).
+        """
+        if after is None:
+            kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+            # As logs: the replica checked, the log waited for, NotFoundError if it never comes.
+            self.logs(name, kind=kind, namespace=ns, replica=replica, index=index, timeout=timeout)
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        d = self._dir(kind, ns, name)
+        log = d / store.LOGS_DIR / f"{pod}.log"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            phase = phase_of(self._read(kind, ns, name))  # first: pods.yaml and the log are newer
+            try:
+                f = open(log, "rb")
+            except FileNotFoundError:
+                f = None
+            if f is not None:
+                key = str(os.fstat(f.fileno()).st_ino)
+                if key != after:
+                    item = self._pod_item(d, pod, key, kind, ns, name)
+                    return key, pod_from_wire(item or {}), self._tail(d, pod, log, True, f=f, key=key)
+                f.close()
+            item = self._pod_item(d, pod)
+            if phase in TERMINAL_PHASES or (item is not None and item["status"].get("phase") == "Succeeded"):
+                return None  # no container starts after these
+            if phase != Phase.suspended.value and not _supervisor_running(self._supervisor_pid(d)):
+                return None  # it died: the wait that comes next says so (BackendError)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"timed out waiting for pod {pod} to start again", kind=kind, namespace=ns,
+                                       name=name)
+            time.sleep(POLL_S)
+
+    def _pod_item(self, d: Path, pod: str, inode: str | None = None, *ref: str) -> dict[str, Any] | None:
+        """The pod in pods.yaml; with `inode`, once it describes the container writing that log
+        (the supervisor records a container just after starting it), or that one is gone."""
+        while True:
+            items = (store.read_yaml(d / store.PODS_FILE) or {}).get("items") or []
+            item = next((i for i in items if i["metadata"]["name"] == pod), None)
+            if inode is None or _log_inode(item) in (inode, ""):
+                return item
+            try:
+                replaced = str(os.stat(d / store.LOGS_DIR / f"{pod}.log").st_ino) != inode
+            except FileNotFoundError:
+                replaced = True
+            if replaced or phase_of(self._read(*ref)) in TERMINAL_PHASES \
+                    or not _supervisor_running(self._supervisor_pid(d)):
+                return item
+            time.sleep(POLL_S / 4)
+
+    def _pod_running(self, d: Path, pod: str, inode: str | None = None) -> bool:
+        """Whether the pod's container still runs; with `inode`, the container writing that log:
+        pods.yaml describing another one (recorded late, or after it) says nothing of it."""
         items = (store.read_yaml(d / store.PODS_FILE) or {}).get("items")
         if items is None:
             return (d / store.OBJECT_FILE).exists()  # not written yet: still starting
         for item in items:
             if item["metadata"]["name"] == pod:
+                if inode is not None and _log_inode(item) not in (inode, ""):
+                    return True  # the log being moved away tells when it ends
                 state = (item["status"].get("containerStatuses") or [{}])[0].get("state") or {}
                 return "terminated" not in state
         return False
 
-    def _tail(self, d: Path, pod: str, log: Path, follow: bool) -> Iterator[str]:
-        """The lines of the container writing `log`; with `follow`, until that container exits, as
-        `kubectl logs -f` does: its pod is terminated in pods.yaml, or the log was moved away (a
-        restart moves it to `<log>.previous` once its process has exited; the job deleted). What
-        the container wrote is read to the end first. A restarted container is a new one: calling
-        `logs` again reads it."""
-        f = open(log, "rb")
+    def _tail(self, d: Path, pod: str, log: Path, follow: bool, *, f: Any = None,
+              key: str | None = None) -> Iterator[str]:
+        """The lines of the container writing `log` (`f`: that log, opened already); with `follow`,
+        until that container exits, as `kubectl logs -f` does: its pod is terminated in pods.yaml
+        (with `key`, its log's inode, only if pods.yaml describes that container), or the log was
+        moved away (a restart moves it to `<log>.previous` once its process has exited; the job
+        deleted). What the container wrote is read to the end first. A restarted container is a
+        new one: calling `logs` again reads it."""
+        f = f if f is not None else open(log, "rb")
         inode = os.fstat(f.fileno()).st_ino
         buf = b""
         ending = False
@@ -631,7 +705,7 @@ class LocalBackend(Backend):
                     moved = os.stat(log).st_ino != inode
                 except FileNotFoundError:
                     moved = True
-                if moved or not self._pod_running(d, pod):
+                if moved or not self._pod_running(d, pod, key):
                     ending = True  # it has exited: read what it left, then stop
                     continue
                 time.sleep(POLL_S / 2)
@@ -639,3 +713,8 @@ class LocalBackend(Backend):
                 yield buf.decode(errors="replace")
         finally:
             f.close()
+
+
+def _log_inode(item: dict[str, Any] | None) -> str:
+    """The inode of the log of the container a pods.yaml entry describes ("" if not recorded)."""
+    return (((item or {}).get("metadata") or {}).get("annotations") or {}).get(store.ANNOTATION_LOG_INODE) or ""

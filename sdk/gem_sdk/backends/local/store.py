@@ -37,6 +37,10 @@ import yaml
 from gem.api.types import KINDS
 from gem_sdk._exceptions import BackendError
 
+#: Annotations of a pod in pods.yaml: its container's pid, and the inode of the log that container
+#: writes, which tells a reader that opened the log which container pods.yaml describes (a
+#: restart moves the log to `<log>.previous` and starts a new one).
+ANNOTATION_PID, ANNOTATION_LOG_INODE = "gem.dev/local-pid", "gem.dev/local-log-inode"
 OBJECT_FILE = "object.yaml"
 CONFIGMAP_FILE = "configmap.yaml"
 PYTORCHJOB_FILE = "pytorchjob.yaml"

@@ -55,7 +55,7 @@ FAILURE_GRACE_S = 5.0
 LABEL_JOB = "training.kubeflow.org/job-name"
 LABEL_REPLICA_TYPE = "training.kubeflow.org/replica-type"
 LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
-ANNOTATION_PID = "gem.dev/local-pid"
+ANNOTATION_PID = store.ANNOTATION_PID
 
 
 class _Stop(Exception):
@@ -141,6 +141,10 @@ class Supervisor:
                                         "startedAt": s.started_at, "finishedAt": s.finished_at}}
             else:
                 state = {"waiting": {"reason": "ContainerCreating"}}
+            try:
+                inode = str(os.stat(info.pod.log_path).st_ino)
+            except OSError:
+                inode = ""
             out.append({
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -149,7 +153,7 @@ class Supervisor:
                     "namespace": self.namespace,
                     "labels": {LABEL_JOB: self.name, LABEL_REPLICA_TYPE: info.replica_type.lower(),
                                LABEL_REPLICA_INDEX: str(info.index)},
-                    "annotations": {ANNOTATION_PID: str(s.pid or "")},
+                    "annotations": {ANNOTATION_PID: str(s.pid or ""), store.ANNOTATION_LOG_INODE: inode},
                 },
                 "status": {
                     "phase": s.phase,
@@ -287,6 +291,11 @@ class Supervisor:
         self.job_status["startTime"] = st.now()
         if any(c.get("type") == "Suspended" and c.get("status") == "True" for c in self.job_status.get("conditions", [])):
             self._cond("Suspended", "False", "PyTorchJobResumed", f"PyTorchJob {self.name} is resumed.")
+        for info in self.run.replicas.values():
+            # Resumed pods are new pods: keep the old log as a restart does, and start a new file,
+            # which tells a follower (GEMClient.follow) the new container from the old one.
+            if info.pod.log_path.exists():
+                os.replace(info.pod.log_path, f"{info.pod.log_path}.previous")
         with _signals_deferred():
             self.run.start()
         self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
