@@ -236,3 +236,63 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
     assert plain["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default-q"
     assert plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"] == "mine:2"
     assert "kueue.x-k8s.io/queue-name" not in render.render_pytorchjob(_gemt())["metadata"]["labels"]
+
+
+# spec.training.deepspeed keys that contradict what the trainer derives: the trainer refused them at
+# setup (exit 2), but the operator accepted the resource and `gemctl --local` started it.
+@pytest.mark.parametrize(
+    ("training", "parallelism", "key"),
+    [
+        ({"batchSize": 8, "deepspeed": {"gradient_accumulation_steps": 4}}, {}, "gradient_accumulation_steps"),
+        ({"batchSize": 8, "deepspeed": {"train_micro_batch_size_per_gpu": 4}}, {}, "train_micro_batch_size_per_gpu"),
+        # 2 ranks x 8: 16, or 8 with tp 2; 20 is neither
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 20}}, {"numNodes": 2}, "train_batch_size"),
+        # tp given: 4 ranks / tp 2 = 2 data ranks x 8 = 16, not 32
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 32}},
+         {"numNodes": 1, "procsPerNode": 4, "plan": {"tp": 2}}, "train_batch_size"),
+        ({"precision": "bf16", "deepspeed": {"bf16": {"enabled": False}}}, {}, "bf16"),
+        ({"precision": "mxfp8", "deepspeed": {"bf16": {"enabled": False}}}, {}, "bf16"),
+        ({"precision": "fp32", "deepspeed": {"bf16": {"enabled": True}}}, {}, "bf16"),
+        ({"precision": "fp32", "deepspeed": {"bfloat16": {"enabled": True}}}, {}, "bfloat16"),
+        ({"precision": "bf16", "deepspeed": {"fp16": {"enabled": True}}}, {}, "fp16"),
+        ({"precision": "bf16", "deepspeed": {"bf16": True}}, {}, "bf16"),  # not a section
+    ],
+)
+def test_deepspeed_overrides_that_contradict_the_spec_are_not_runnable(training, parallelism, key):
+    from gem.api.validation import runnable_problems
+
+    for obj in (_gemt(training=training, parallelism=parallelism),
+                parse_object({"kind": "LoopFMDistill", "metadata": {"name": "s"},
+                              "spec": {"teacher": {"checkpoint": "/c"}, "training": training, "parallelism": parallelism}})):
+        problems = runnable_problems(obj)
+        assert len(problems) == 1 and problems[0].startswith(f"spec.training.deepspeed.{key}: "), problems
+        assert "differs from the trainer's" in problems[0]
+        if key in ("bf16", "bfloat16", "fp16"):
+            assert "spec.training.precision" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("training", "parallelism"),
+    [
+        ({"batchSize": 8, "precision": "bf16", "deepspeed": {
+            "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 8, "train_batch_size": 16,
+            "bf16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False},
+            "wall_clock_breakdown": True}}, {"numNodes": 2}),
+        ({"precision": "mxfp8", "deepspeed": {"bfloat16": {"enabled": True}}}, {}),
+        ({"deepspeed": {"bf16": {"enabled": False}, "fp16": {}}}, {}),
+        # the automatic plan may pick tp 2 or 4 here: the trainer checks the exact value at setup
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 32}}, {"numNodes": 1, "procsPerNode": 4}),
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 16}}, {"numNodes": 1, "procsPerNode": 4}),
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 16}}, {"numNodes": 1, "procsPerNode": 4, "plan": {"tp": 2}}),
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 16, "parallelPlan": {"tp": 2}}},
+         {"numNodes": 1, "procsPerNode": 4}),
+    ],
+)
+def test_deepspeed_overrides_that_agree_with_the_spec_are_runnable(training, parallelism):
+    from gem.api.validation import runnable_problems
+
+    assert runnable_problems(_gemt(training=training, parallelism=parallelism)) == []
+    # next to a contradicting key, only that one is reported
+    worse = {**training, "deepspeed": {**training["deepspeed"], "gradient_accumulation_steps": 2}}
+    problems = runnable_problems(_gemt(training=worse, parallelism=parallelism))
+    assert [p.split(": ", 1)[0] for p in problems] == ["spec.training.deepspeed.gradient_accumulation_steps"]

@@ -506,6 +506,22 @@ def test_gemctl_refuses_a_spec_the_operator_refuses_with_exit_2(root, tmp_path):
     assert "spec.checkpoint.path: 'relative/dir' must be an absolute path without ':'" in out.stderr
 
 
+def test_a_contradicting_deepspeed_override_is_refused_at_submit(client, root, tmp_path):
+    """The trainer refuses these at setup (exit 2): before, --local started the job and its pods failed."""
+    body = training("ds", nodes=1, training={"steps": 3, "precision": "bf16", "deepspeed": {
+        "gradient_accumulation_steps": 4, "bf16": {"enabled": False}}})
+    with pytest.raises(ValidationError) as info:
+        fake(client).submit(body)  # the stand-in trainer: on the old code it ran (and succeeded)
+    assert [e.path for e in info.value.errors] == ["spec.training.deepspeed.gradient_accumulation_steps",
+                                                  "spec.training.deepspeed.bf16"]
+    assert client.list(all_namespaces=True) == [] and not (root / "default").exists()
+    spec = tmp_path / "ds.yaml"
+    spec.write_text(yaml.safe_dump(body))
+    out = _gemctl("submit", "-f", str(spec), "--local", root=root)
+    assert out.returncode == 2, out.stderr
+    assert "spec.training.deepspeed.gradient_accumulation_steps: 4 differs from the trainer's 1" in out.stderr
+
+
 def test_the_examples_pass_the_operators_checks_and_run_locally(client):
     """examples/*.yaml still submit (and run, with the stand-in trainer): the distillation after
     its teacher, the quickstart."""

@@ -167,6 +167,32 @@ def test_precision_overrides_that_agree_with_spec_training_precision_are_merged(
     assert config["fp16"] == {"enabled": False}
 
 
+def test_the_trainer_refuses_overrides_with_the_operators_check_and_its_own_plan():
+    """One check: the trainer raises what the operator and `gemctl --local` report from the spec (which,
+    before, accepted these); at setup it also compares the global batch with its plan's data ranks,
+    which the spec alone leaves open when the plan chooses tp."""
+    from gem.api.types import GEMTraining
+    from gem.api.validation import runnable_problems
+    from gem.parallel.plan import ParallelPlan
+    from gem.train.dist import deepspeed_config
+
+    def gemt(training, parallelism):
+        return GEMTraining.model_validate({"metadata": {"name": "x"},
+                                           "spec": {"training": training, "parallelism": parallelism}})
+
+    obj = gemt({"batchSize": 8, "precision": "bf16", "deepspeed": {
+        "gradient_accumulation_steps": 4, "train_batch_size": 24, "bf16": {"enabled": False}}}, {"numNodes": 1})
+    with pytest.raises(SpecError) as e:
+        deepspeed_config(obj.spec.training, obj.spec.parallelism, world_size=1)
+    assert str(e.value) == "; ".join(runnable_problems(obj)) and str(e.value).count("spec.training.deepspeed.") == 3
+    # 4 ranks: 32 is right at tp 1, which the spec allows; the plan's tp 2 leaves 2 data ranks (16)
+    obj = gemt({"batchSize": 8, "deepspeed": {"train_batch_size": 32}}, {"numNodes": 1, "procsPerNode": 4})
+    assert runnable_problems(obj) == []
+    plan = ParallelPlan.from_config({"dpShard": 2, "tp": 2}, world_size=4)
+    with pytest.raises(SpecError, match=r"^spec\.training\.deepspeed\.train_batch_size: 32 differs from the trainer's 16;"):
+        deepspeed_config(obj.spec.training, obj.spec.parallelism, world_size=4, plan=plan)
+
+
 def test_a_bf16_override_disabling_bf16_is_a_config_error(tmp_path, capsys):
     path = manifest(tmp_path, "nobf16", training={"precision": "bf16", "deepspeed": {"bf16": {"enabled": False}}})
     config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.training.deepspeed.bf16")

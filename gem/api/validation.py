@@ -1,5 +1,6 @@
 """What a spec that pydantic accepts must also satisfy to run: the values it passes into the
-PyTorchJob and its pods (names, label keys and values, paths).
+PyTorchJob and its pods (names, label keys and values, paths), and `training.deepspeed` keys that
+contradict what the trainer derives from the spec (which the trainer refuses at setup, exit 2).
 
 Pure and torch-free: the operator (`gem_operator.validation`) refuses such a spec with
 `Valid=False`, and the SDK's local backend refuses it at submit, with the same messages, so a spec
@@ -66,8 +67,106 @@ def _procs_fit_gpus(spec: Any) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- training.deepspeed
+# DeepSpeed keys the trainer derives from the spec. One comparison for both callers: the trainer
+# (gem/train/dist.py deepspeed_config) against the config it built with the real plan and world
+# size; runnable_field_problems against what the spec alone fixes, so that the operator and
+# `gemctl --local` refuse the resource instead of starting pods that exit 2 at setup.
+
+#: The batch keys: one optimizer step per batch the trainer hands out (the step counter, LR
+#: schedule, checkpoints and loader position all count optimizer steps).
+DEEPSPEED_BATCH_KEYS = {
+    "gradient_accumulation_steps": "remove it (gradient accumulation is not supported): "
+                                   "raise spec.training.batchSize or the number of ranks for a bigger global batch",
+    "train_micro_batch_size_per_gpu": "remove it and set spec.training.batchSize instead",
+    "train_batch_size": "remove it: it is spec.training.batchSize x the data-parallel ranks",
+}
+
+#: DeepSpeed's precision sections ("bfloat16" is its old name for "bf16"): the trainer derives them
+#: from spec.training.precision, which the rest of the job reads too (the autocast around each step,
+#: gem eval's cast of the checkpoint, resume's check of what changed). One that differs would train
+#: in another precision than the spec says: bf16.enabled false with precision bf16 trains fp32
+#: weights that gem eval then evaluates cast to bf16; fp16 is not offered.
+DEEPSPEED_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")
+
+#: The key of training.deepspeed that is the (deprecated) parallel plan, not DeepSpeed's (gem.parallel.job.PLAN_KEY).
+_PLAN_KEY = "parallelPlan"
+
+
+def derived_deepspeed_keys(training: Any, *, data_world: int) -> dict[str, Any]:
+    """The batch and precision keys of the DeepSpeed config the trainer derives from `training`, with
+    `data_world` data-parallel ranks (world size / tp)."""
+    precision = str(getattr(training.precision, "value", training.precision))
+    return {
+        "train_micro_batch_size_per_gpu": training.batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": training.batch_size * data_world,
+        # mxfp8: apply_precision (gem/train/precision.py) swaps the Linears for MXFP8 ones; DeepSpeed
+        # itself runs its bf16 mode around them (bf16 module and autocast, fp32 master weights)
+        "bf16": {"enabled": precision in ("bf16", "mxfp8")},
+    }
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any]) -> list[tuple[str, str]]:
+    """(spec.training.deepspeed.<key>, problem) for each override that differs from the `derived`
+    config: a batch key `derived` holds, or a precision section whose `enabled` differs (a section
+    that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key)."""
+    problems = []
+    for key, fix in DEEPSPEED_BATCH_KEYS.items():
+        if key in overrides and key in derived and overrides[key] != derived[key]:
+            problems.append((f"spec.training.deepspeed.{key}",
+                             f"{overrides[key]!r} differs from the trainer's {derived[key]!r}; {fix}"))
+    for key in DEEPSPEED_PRECISION_KEYS:
+        if key not in overrides:
+            continue
+        derived_on = _enabled(derived.get("bf16" if key == "bfloat16" else key))
+        section = overrides[key]
+        if not isinstance(section, dict) or ("enabled" in section and section["enabled"] != derived_on):
+            problems.append((f"spec.training.deepspeed.{key}",
+                             f"{section!r} differs from the trainer's {{'enabled': {derived_on}}}, which "
+                             "spec.training.precision sets; remove it and use spec.training.precision "
+                             "(fp32, bf16 or mxfp8; fp16 is not offered)"))
+    return problems
+
+
+def _given_tp(spec: Any) -> int | None:
+    """The tp degree the spec fixes (spec.parallelism.plan, else the deprecated training.deepspeed
+    parallelPlan, as gem.parallel.job.explicit_degrees reads them); None when the plan chooses it."""
+    plan = spec.parallelism.plan
+    given = plan.given() if plan is not None else {}
+    if not given:
+        legacy = (spec.training.deepspeed or {}).get(_PLAN_KEY)
+        given = legacy if isinstance(legacy, dict) else {}
+    tp = given.get("tp")
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
+
+
+def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
+    """deepspeed_override_problems against what the spec alone derives, at its world size (numNodes x
+    procsPerNode: what the operator and the local backend launch)."""
+    overrides = {k: v for k, v in (spec.training.deepspeed or {}).items() if k != _PLAN_KEY}
+    if not overrides:
+        return []
+    world = spec.parallelism.num_nodes * spec.parallelism.procs_per_node
+    tp = _given_tp(spec)
+    derived = derived_deepspeed_keys(spec.training, data_world=world // tp if tp and world % tp == 0 else world)
+    if tp is None or world % tp:
+        # The data-parallel ranks are world / tp, and the plan picks tp (or refuses a tp that does
+        # not divide the world, with its own message): refuse only a global batch no tp could give;
+        # the trainer compares the exact value with its plan at setup.
+        value, batch = overrides.get("train_batch_size"), spec.training.batch_size
+        if isinstance(value, int) and value > 0 and value % batch == 0 and world % (value // batch) == 0:
+            del derived["train_batch_size"]
+    return deepspeed_override_problems(overrides, derived)
+
+
 def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
-    """(path, problem) for each value of a parsed spec that its PyTorchJob or pods could not carry."""
+    """(path, problem) for each value of a parsed spec that its PyTorchJob or pods could not carry, or
+    that its trainer would refuse at setup (training.deepspeed)."""
     spec = obj.spec
     checks: list[tuple[str, str | None]] = []
     if not obj.metadata.name[:1].isalpha():
@@ -114,6 +213,7 @@ def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
     teacher = getattr(spec, "teacher", None)
     if teacher is not None and teacher.gem_training:
         checks.append(("spec.teacher.gemTraining", _subdomain(teacher.gem_training)))
+    checks.extend(_deepspeed_problems(spec))
     return [(where, problem) for where, problem in checks if problem]
 
 

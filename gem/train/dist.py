@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
 import torch.distributed as torch_dist  # noqa: E402
 
 from gem.api.types import ParallelismSpec, TrainingSpec  # noqa: E402
+from gem.api.validation import deepspeed_override_problems, derived_deepspeed_keys  # noqa: E402
 from gem.data.errors import SpecError  # noqa: E402
 from gem.parallel.job import deepspeed_overrides  # noqa: E402
 from gem.parallel.plan import ParallelPlan  # noqa: E402
@@ -166,18 +167,11 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
     and the global batch counts that group. `parallelPlan` in training.deepspeed is the plan's
     input, not DeepSpeed's: it is left out.
     """
-    precision = str(training.precision)
-    if precision == "mxfp8":
-        # apply_precision (precision.py) swaps the Linears for MXFP8 ones; DeepSpeed itself runs its
-        # bf16 mode around them (bf16 module and autocast, fp32 master weights)
-        precision = "bf16"
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": training.batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": training.batch_size * world_size,
+        # batch and precision keys: the ones runnable_field_problems checks overrides against too
+        **derived_deepspeed_keys(training, data_world=world_size),
         "gradient_clipping": training.grad_clip,
         "zero_optimization": {"stage": parallelism.zero_stage},
-        "bf16": {"enabled": precision == "bf16"},
         "steps_per_print": 10**9,  # the trainer logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
@@ -187,52 +181,17 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
         config = _merge(config, deepspeed_config_fragment(plan, micro_batch_size=training.batch_size))
     overrides, _ = deepspeed_overrides(training.deepspeed)
     if overrides:
-        _check_batch_overrides(overrides, config)
-        _check_precision_overrides(overrides, config)
+        _check_overrides(overrides, config)
         config = _merge(config, overrides)
     return config
 
 
-#: DeepSpeed keys the trainer derives itself: one optimizer step per batch it hands out (the step
-#: counter, LR schedule, checkpoints and loader position all count optimizer steps).
-_BATCH_KEYS = {
-    "gradient_accumulation_steps": "remove it (gradient accumulation is not supported): "
-                                   "raise spec.training.batchSize or the number of ranks for a bigger global batch",
-    "train_micro_batch_size_per_gpu": "remove it and set spec.training.batchSize instead",
-    "train_batch_size": "remove it: it is spec.training.batchSize x the data-parallel ranks",
-}
+def _check_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
+    """Refuse training.deepspeed keys that differ from the config the trainer derived (a SpecError).
 
-
-def _check_batch_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
-    """Refuse training.deepspeed batch keys that differ from what the trainer derives (a SpecError)."""
-    for key, fix in _BATCH_KEYS.items():
-        if key in overrides and overrides[key] != derived[key]:
-            raise SpecError(f"spec.training.deepspeed.{key}: {overrides[key]!r} differs from the trainer's "
-                            f"{derived[key]!r}; {fix}")
-
-
-#: DeepSpeed's precision sections ("bfloat16" is its old name for "bf16"): the trainer derives them
-#: from spec.training.precision, which the rest of the job reads too (the autocast around each step,
-#: gem eval's cast of the checkpoint, resume's check of what changed). One that differs would train
-#: in another precision than the spec says: bf16.enabled false with precision bf16 trains fp32
-#: weights that gem eval then evaluates cast to bf16; fp16 is not offered.
-_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")
-
-
-def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
-
-
-def _check_precision_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
-    """Refuse training.deepspeed precision sections that differ from what spec.training.precision
-    derives (a SpecError). `enabled` is what is compared; a section that agrees with the derived one
-    (e.g. bf16.enabled true with precision bf16, or fp16.enabled false) is merged as any other key."""
-    for key in _PRECISION_KEYS:
-        if key not in overrides:
-            continue
-        derived_on = _enabled(derived.get("bf16" if key == "bfloat16" else key))
-        section = overrides[key]
-        if not isinstance(section, dict) or ("enabled" in section and section["enabled"] != derived_on):
-            raise SpecError(f"spec.training.deepspeed.{key}: {section!r} differs from the trainer's "
-                            f"{{'enabled': {derived_on}}}, which spec.training.precision sets; remove it and use "
-                            "spec.training.precision (fp32, bf16 or mxfp8; fp16 is not offered)")
+    The comparison is gem.api.validation's, which the operator and `gemctl --local` run from the spec
+    alone; here it runs again with this run's plan and world size (torchrun by hand may differ from
+    the spec's numNodes x procsPerNode, and the plan's tp sets the data-parallel ranks)."""
+    problems = deepspeed_override_problems(overrides, derived)
+    if problems:
+        raise SpecError("; ".join(f"{where}: {problem}" for where, problem in problems))
