@@ -55,8 +55,11 @@ def test_public_surface_is_pinned():
 @pytest.mark.parametrize("impl", [KubernetesBackend, LocalBackend, GEMClient])
 def test_backends_keep_the_base_signatures(impl):
     methods = [n for n, f in inspect.getmembers(Backend, inspect.isfunction) if getattr(f, "__isabstractmethod__", False)]
-    assert set(methods) == {"submit", "get", "list", "wait", "logs", "update", "pods", "metrics", "delete"}
+    assert set(methods) == {"submit", "get", "list", "wait", "logs", "update", "pods", "metrics", "delete",
+                            "_container_log"}  # private: GEMClient.follow is built on it, not a delegate
     for name in methods:
+        if impl is GEMClient and name.startswith("_"):
+            continue
         assert inspect.signature(getattr(impl, name)) == inspect.signature(getattr(Backend, name)), name
 
 

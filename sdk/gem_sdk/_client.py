@@ -261,13 +261,13 @@ class GEMClient:
         """
         where = {"kind": kind, "namespace": namespace, "replica": replica, "index": index, "timeout": timeout}
         # The first container is waited for now, so that NotFoundError comes from this call, as from logs.
-        return self._follow(name, self.backend._container_log(name, **where), where)  # type: ignore[attr-defined]
+        return self._follow(name, self.backend._container_log(name, **where), where)
 
     def _follow(self, name: Ref, opened: tuple | None, where: dict) -> Iterator[str | ReplicaPod]:
         while opened is not None:
             key, _, lines = opened
             yield from lines
-            opened = self.backend._container_log(name, after=key, **where)  # type: ignore[attr-defined]
+            opened = self.backend._container_log(name, after=key, **where)
             if opened is not None:
                 yield opened[1]  # announces the next container, before its lines
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from gem_sdk._types import TERMINAL_PHASES, MetricPoint, ObjectInput, Ref, ReplicaPod, Resource, Until
 
@@ -62,6 +63,22 @@ class Backend(abc.ABC):
         timeout: float | None = None,
     ) -> Iterator[str]:
         """Lines of one trainer pod's log, once the pod exists."""
+
+    @abc.abstractmethod
+    def _container_log(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+        after: Any = None,
+        timeout: float | None = None,
+    ) -> tuple[Any, ReplicaPod, Iterator[str]] | None:
+        """The followed log of the replica's container once one other than `after` (a key this returned
+        before; None: any) has started, as (its key, the pod, its lines); None when no other will come.
+        What `GEMClient.follow` is built on."""
 
     @abc.abstractmethod
     def update(
