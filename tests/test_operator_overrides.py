@@ -6,33 +6,11 @@ In-process reconcile against the API test server, as in tests/test_operator_reco
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from gem.api import render
 from gem_operator import kube, reconcile
-from tests.kubeapi import KubeAPIServer
-
-API = "gem.dev/v1alpha1"
-JOBS = "kubeflow.org/v1"
-LOG = logging.getLogger("test_operator_overrides")
-
-
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    with KubeAPIServer(executor=False, workdir=tmp_path / "kubeapi") as server:
-        api_client = server.api_client()
-        monkeypatch.setattr(kube, "_api_client", lambda: api_client)
-        yield server
-
-
-def stored(cluster, kind: str, name: str, **spec) -> dict:
-    return cluster.create(API, kind, {"apiVersion": API, "kind": kind, "metadata": {"name": name}, "spec": spec})
-
-
-def condition(status: dict, type_: str) -> dict:
-    return next(c for c in status.get("conditions", []) if c["type"] == type_)
+from tests.test_operator_reconcile import API, JOBS, LOG, cluster, condition, stored  # noqa: F401 (cluster: a fixture)
 
 
 @pytest.mark.parametrize(("kind", "extra"), [
