@@ -173,19 +173,9 @@ def _load_checkpoint_model(checkpoint_dir: str, *, with_manifest: bool = False) 
 
 def _on_every_rank(fn: Any) -> Any:
     """fn(), and on a failure of any rank the same failure on every rank (none left waiting in a collective)."""
-    from gem.train.dist import failures_by_rank
+    from gem.train.dist import on_every_rank
 
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - gathered, then raised again below
-        error, result = e, None
-    verdicts = failures_by_rank(None if error is None else (isinstance(error, ConfigError), str(error)))
-    if error is not None:
-        raise error
-    for rank, (is_config, message) in verdicts.items():
-        raise (ConfigError if is_config else RuntimeError)(f"rank {rank}: {message}")
-    return result
+    return on_every_rank(fn, kept=ConfigError)
 
 
 def _eval(manifest: Any, checkpoint_dir: str | None) -> int:

@@ -42,7 +42,7 @@ from gem.loopfm.memory import EmbeddingMemory, TimestampRangeError
 from gem.loopfm.student import LoopFMStudent
 from gem.model.loss import masked_bce, task_labels, task_masks
 from gem.train import checkpoint
-from gem.train.dist import failures_by_rank
+from gem.train.dist import failures_by_rank, on_every_rank
 from gem.train.task import LossFn, load_splits
 
 log = logging.getLogger("gem.distill")
@@ -129,19 +129,10 @@ def build_memory(teacher: nn.Module, teacher_dir: Path, manifest: LoopFMDistill,
     rank 0's failure is raised on every rank, and a rank that cannot see the logged memory is a SpecError."""
     memory = EmbeddingMemory(memory_dir_of(manifest))
     version = logged_version(teacher_dir, LOGGED_KIND)
-    error: Exception | None = None
-    if is_main:
-        try:
-            _log_memory(teacher, memory, version, manifest.spec.data)
-        except Exception as e:  # noqa: BLE001 - gathered (in place of a barrier), then raised on every rank
-            error = e
-    # A rank 0 that fails here must not leave the others in a barrier it never reaches (NCCL: until the
-    # 30-minute timeout): every rank raises its error, a SpecError as a SpecError (exit 2).
-    failed = failures_by_rank(None if error is None else (isinstance(error, SpecError), str(error)))
-    if error is not None:
-        raise error
-    for rank, (is_spec, message) in failed.items():
-        raise SpecError(message) if is_spec else RuntimeError(f"rank {rank} failed to log the LoopFM memory: {message}")
+    # In place of a barrier: a rank 0 that fails here must not leave the others waiting for it (NCCL: until
+    # the 30-minute timeout); every rank raises its error, a SpecError as a SpecError (exit 2).
+    on_every_rank(lambda: _log_memory(teacher, memory, version, manifest.spec.data) if is_main else None,
+                  kept=SpecError, what="log the LoopFM memory")
     # A node that does not see rank 0's memory would train on zeros for every user, silently.
     unseen = failures_by_rank(not logged_completely(memory, version, data_spec_hash(manifest.spec.data),
                                                     teacher.max_seq_len))

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 # DeepSpeed picks its accelerator when first imported: tell it before anyone imports it.
@@ -121,6 +122,24 @@ def failures_by_rank(failure: Any) -> dict[int, Any]:
     rank: the same dict on every rank, empty when none failed. Collective. Ranks that meet here before
     raising fail together, so none is left waiting in a collective the failed one never enters."""
     return {rank: f for rank, f in enumerate(all_gather_objects(failure)) if f}
+
+
+def on_every_rank(fn: Callable[[], Any], *, kept: type[Exception], what: str | None = None) -> Any:
+    """fn() on this rank; when it fails on any rank, every rank raises. Collective, so no rank is left
+    waiting in a collective a failed one never enters: a failed rank raises its own error, the others
+    the first failed rank's, as `kept` when it was one (a config error stays one: exit 2), else as a
+    RuntimeError naming the rank (and `what` it failed to do)."""
+    error: Exception | None = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - gathered, then raised again below
+        error, result = e, None
+    failed = failures_by_rank(None if error is None else (isinstance(error, kept), str(error)))
+    if error is not None:
+        raise error
+    for rank, (is_kept, message) in failed.items():
+        raise kept(message) if is_kept else RuntimeError(f"rank {rank}{f' failed to {what}' if what else ''}: {message}")
+    return result
 
 
 def shutdown() -> None:
