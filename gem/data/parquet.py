@@ -265,6 +265,15 @@ _TIME_COLUMNS = {"request_time": "request_time", "seq_timestamp.list.element": "
 _MAX_SECONDS = (1 << 32) - 1
 
 
+def scaled_unix_time(low: int, high: int) -> tuple[str, int] | None:
+    """(unit, scale) that timestamps in [low, high], not unix seconds, look like (milliseconds: 1000, ...):
+    value // scale would be seconds; None when no scale fits (negative values, say)."""
+    if low < 0:
+        return None
+    return next(((unit, scale) for unit, scale in (("milliseconds", 10**3), ("microseconds", 10**6),
+                                                    ("nanoseconds", 10**9)) if high // scale <= _MAX_SECONDS), None)
+
+
 class TimeUnitError(ValueError):
     """A time column whose values are not unix seconds (milliseconds, most often)."""
 
@@ -279,9 +288,8 @@ def _check_seconds(f: Path, rg: Any) -> None:
         st = col.statistics
         if name is None or st is None or not st.has_min_max or (0 <= st.min and st.max <= _MAX_SECONDS):
             continue
-        unit = next((u for u, scale in (("milliseconds", 10**3), ("microseconds", 10**6), ("nanoseconds", 10**9))
-                     if st.min >= 0 and st.max // scale <= _MAX_SECONDS), None)
-        looks = f" (they look like {unit})" if unit else ""
+        scaled = scaled_unix_time(st.min, st.max)
+        looks = f" (they look like {scaled[0]})" if scaled else ""
         raise TimeUnitError(f"{name} values in [{st.min}, {st.max}]{looks} in {f.name}: not unix seconds in "
                             "[0, 2^32) as docs/data.md specifies; write request_time and seq_timestamp in seconds "
                             "(e.g. divide milliseconds by 1000)")

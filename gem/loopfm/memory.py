@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from gem.data.parquet import scaled_unix_time
+
 _TS_BITS = 32  # timestamps are unix seconds < 2^32 (year 2106); user codes < 2^31 (distinct users)
 
 
@@ -40,13 +42,7 @@ class TimestampRangeError(ValueError):
     def __init__(self, low: int, high: int):
         self.low, self.high = low, high
         #: the unit the values look like (None: not a scaled unix time, e.g. negative)
-        self.unit: str | None = None
-        self.scale = 1  # unix seconds = value // scale
-        if low >= 0:
-            for unit, scale in (("milliseconds", 1000), ("microseconds", 10**6), ("nanoseconds", 10**9)):
-                if high // scale < (1 << _TS_BITS):
-                    self.unit, self.scale = unit, scale
-                    break
+        self.unit, self.scale = scaled_unix_time(low, high) or (None, 1)  # unix seconds = value // scale
         hint = f" (they look like {self.unit})" if self.unit else ""
         super().__init__(f"timestamps must be unix seconds in [0, 2^32); got values in [{low}, {high}]{hint}")
 
