@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from gem.api.types import CONFIG_MOUNT_PATH
+from gem.parallel.job import deepspeed_overrides, explicit_degrees
 
 # --------------------------------------------------------------------------- what the children need
 # Values the spec passes into the PyTorchJob and its pods, which the API server (or the kubelet)
@@ -89,10 +90,6 @@ DEEPSPEED_BATCH_KEYS = {
 #: weights that gem eval then evaluates cast to bf16; fp16 is not offered.
 DEEPSPEED_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")
 
-#: The key of training.deepspeed that is the (deprecated) parallel plan, not DeepSpeed's (gem.parallel.job.PLAN_KEY).
-_PLAN_KEY = "parallelPlan"
-
-
 def derived_deepspeed_keys(training: Any, *, data_world: int) -> dict[str, Any]:
     """The batch and precision keys of the DeepSpeed config the trainer derives from `training`, with
     `data_world` data-parallel ranks (world size / tp)."""
@@ -135,20 +132,20 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
 
 def _given_tp(spec: Any) -> int | None:
     """The tp degree the spec fixes (spec.parallelism.plan, else the deprecated training.deepspeed
-    parallelPlan, as gem.parallel.job.explicit_degrees reads them); None when the plan chooses it."""
-    plan = spec.parallelism.plan
-    given = plan.given() if plan is not None else {}
-    if not given:
-        legacy = (spec.training.deepspeed or {}).get(_PLAN_KEY)
-        given = legacy if isinstance(legacy, dict) else {}
-    tp = given.get("tp")
-    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
+    parallelPlan); None when the plan chooses it, or when the given plan is malformed (the plan's own
+    check names that)."""
+    try:
+        degrees, _, _ = explicit_degrees(spec.parallelism, spec.training)
+    except (TypeError, ValueError):
+        return None
+    tp = degrees.get("tp")
+    return tp if tp is not None and tp >= 1 else None
 
 
 def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
     """deepspeed_override_problems against what the spec alone derives, at its world size (numNodes x
     procsPerNode: what the operator and the local backend launch)."""
-    overrides = {k: v for k, v in (spec.training.deepspeed or {}).items() if k != _PLAN_KEY}
+    overrides, _ = deepspeed_overrides(spec.training.deepspeed)
     if not overrides:
         return []
     world = spec.parallelism.num_nodes * spec.parallelism.procs_per_node
