@@ -606,3 +606,21 @@ def test_list_with_a_malformed_selector_names_it(client, kubeapi):
     assert [o.metadata.name for o in client.list(label_selector="team in (ads),!canary")] == ["sel"]
     r = CliRunner().invoke(gemctl_app, ["list", "-l", "team in (ads", "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 2 and "invalid label selector 'team in (ads'" in r.output, r.output
+
+
+# --------------------------------------------------------------------------- review 3: dropped answers, metrics, previous logs
+
+
+def test_pods_whose_answer_is_cut_off_is_a_backend_error(client, kubeapi):
+    # The connection dropped halfway through the pod list's body: urllib3's ProtocolError
+    # (IncompleteRead) leaked out of pods() before, past gemctl's error handling.
+    client.submit(manifest("cut"))
+    rule = kubeapi.faults.add(method="GET", path=r"/api/v1/namespaces/default/pods\?", truncate=True, times=1)
+    with pytest.raises(BackendError, match="failed to list pods of GEMTraining default/cut: cannot reach the "
+                                           "Kubernetes API: .*IncompleteRead"):
+        client.pods("cut")
+    assert rule.hits == 1
+    assert client.pods("cut") == []  # the next answer is whole
+    kubeapi.faults.add(method="GET", path=r"/api/v1/namespaces/default/pods\?", truncate=True, times=1)
+    r = CliRunner().invoke(gemctl_app, ["pods", "gt", "cut", "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 5 and "Error: failed to list pods of GEMTraining default/cut" in r.output, r.output

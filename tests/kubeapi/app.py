@@ -152,12 +152,26 @@ class KubeApp:
                 await asyncio.sleep(3600)
             if rule.status:
                 return error_response(ApiError(rule.status, rule.message))
+            if rule.truncate and not is_watch:
+                return await self._truncated(request, await self.dispatch(request, is_watch))
         try:
             return await self.dispatch(request, is_watch)
         except ApiError as e:
             return error_response(e)
         except json.JSONDecodeError as e:
             return error_response(ApiError(400, f"the body of the request could not be decoded: {e}"))
+
+    @staticmethod
+    async def _truncated(request: web.Request, full: web.StreamResponse) -> web.StreamResponse:
+        """`full`'s status and headers, then half its body, then the connection closes: what a client
+        sees of a load balancer or an API server that goes away mid-answer."""
+        body = full.body if isinstance(full, web.Response) and isinstance(full.body, bytes) else b""
+        resp = web.StreamResponse(status=full.status, headers={"Content-Type": full.content_type})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        request.transport.close()
+        return resp
 
     # ------------------------------------------------------------------ admin
 
@@ -168,7 +182,8 @@ class KubeApp:
                 return jresponse([r.to_dict() for r in self.faults.rules])
             if request.method == "POST":
                 body = await request.json()
-                allowed = {"method", "path", "status", "probability", "times", "latency", "hang", "message", "watch"}
+                allowed = {"method", "path", "status", "probability", "times", "latency", "hang", "truncate", "message",
+                           "watch"}
                 rule = self.faults.add(**{k: v for k, v in body.items() if k in allowed})
                 return jresponse(rule.to_dict(), 201)
             if request.method == "DELETE":

@@ -1,4 +1,4 @@
-"""Fault injection for the test API server.
+r"""Fault injection for the test API server.
 
 Rules match (method, path regex) and are tried in the order they were added; the first
 rule that fires decides. A rule can answer an error status (optionally only with some
@@ -11,6 +11,7 @@ From Python::
     server.faults.add(path=r"/api/v1/namespaces/.*/events", status=503, probability=0.5)
     server.faults.add(path=r"/gemtrainings", latency=0.5)
     server.faults.add(method="GET", path=r"/pods/", hang=True, times=1)
+    server.faults.add(method="GET", path=r"/pods\?", truncate=True, times=1)  # drop the connection mid-body
     server.faults.drop_watches()            # close every open watch now
     server.faults.watch_drop_rate = 0.2     # each open watch is dropped with p=0.2 per second
     server.faults.clear()
@@ -41,6 +42,7 @@ class FaultRule:
     times: int | None = None  # None: unlimited
     latency: float = 0.0
     hang: bool = False
+    truncate: bool = False  # answer as usual, but drop the connection halfway through the body
     message: str = "injected fault"
     watch: bool | None = None  # None: any request; True: only watches; False: never watches
     id: int = field(default_factory=lambda: next(_ids))
@@ -63,8 +65,8 @@ class Faults:
 
     def add(self, method: str = "*", path: str = ".*", status: int | None = None, probability: float = 1.0,
             times: int | None = None, latency: float = 0.0, hang: bool = False, message: str = "injected fault",
-            watch: bool | None = None) -> FaultRule:
-        rule = FaultRule(method.upper(), path, status, probability, times, latency, hang, message, watch)
+            watch: bool | None = None, truncate: bool = False) -> FaultRule:
+        rule = FaultRule(method.upper(), path, status, probability, times, latency, hang, truncate, message, watch)
         with self._lock:
             self.rules.append(rule)
         return rule

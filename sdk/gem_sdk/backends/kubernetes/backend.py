@@ -348,9 +348,11 @@ class KubernetesBackend(Backend):
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         selector = pod_selector(kind, name, replica, index)
         self.get(name, kind=kind, namespace=ns)  # NotFoundError for a job that does not exist
-        resp = self._call("list pods of", kind, ns, name, self.core.list_namespaced_pod,
-                          ns, label_selector=selector, _preload_content=False)
-        return sorted((pod_from_wire(p) for p in _json(resp).get("items") or []), key=pod_order)
+        # The body is read inside _call: a connection dropped halfway through it is a BackendError too.
+        body = self._call("list pods of", kind, ns, name,
+                          lambda **kw: _json(self.core.list_namespaced_pod(ns, label_selector=selector,
+                                                                           _preload_content=False, **kw)))
+        return sorted((pod_from_wire(p) for p in body.get("items") or []), key=pod_order)
 
     def metrics(
         self,
