@@ -40,10 +40,10 @@ def chart() -> Any:
     return helm.Chart.load(str(CHART_DIR))
 
 
-def render(values: dict[str, Any] | None = None, *, upgrade: bool = False) -> list[dict[str, Any]]:
+def render(values: dict[str, Any] | None = None, *, upgrade: bool = False, release: str = RELEASE) -> list[dict[str, Any]]:
     """`helm template` of the chart: every object it would apply (NOTES.txt and CRDs aside)."""
     out = chart().render(
-        values, name=RELEASE, namespace=NAMESPACE, is_install=not upgrade, is_upgrade=upgrade, revision=2 if upgrade else 1
+        values, name=release, namespace=NAMESPACE, is_install=not upgrade, is_upgrade=upgrade, revision=2 if upgrade else 1
     )
     docs = []
     for path, text in sorted(out.items()):
@@ -443,6 +443,31 @@ def test_image_references() -> None:
     assert operator_container(render({"operator": {"image": {"tag": "0.2.0-rc1"}}}))["image"].endswith(":0.2.0-rc1")
     digest = "sha256:" + "a" * 64
     assert operator_container(render({"operator": {"image": {"digest": digest}}}))["image"] == f"ghcr.io/gem-platform/operator@{digest}"
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@pytest.mark.parametrize(
+    ("release", "values"), [("r" * 53, None), (RELEASE, {"fullnameOverride": "f" * 63})], ids=["release", "fullnameOverride"]
+)
+def test_the_longest_names_still_give_valid_object_names(release: str, values: dict[str, Any] | None) -> None:
+    """Helm's longest release name (53) or a 63-character fullnameOverride: a Service name stays a DNS
+    label of at most 63 characters (was: `<fullname>-metrics`, 71, which the API server refuses)."""
+    for doc in render({**(values or {}), "metrics": {"serviceMonitor": {"enabled": True}}}, release=release):
+        name = doc["metadata"]["name"]
+        if doc["kind"] == "Service":
+            assert DNS_LABEL.match(name) and len(name) <= 63, name
+        else:
+            assert DNS_SUBDOMAIN.match(name) and len(name) <= 253, name
+
+
+@pytest.mark.parametrize("release", ["1gem", "gem.prod"])
+def test_a_release_name_that_makes_no_service_name_fails_with_the_fix(release: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match="is not a DNS label.*set fullnameOverride"):
+        render(None, release=release)
+    assert render({"fullnameOverride": "gem-prod"}, release=release)
 
 
 def test_trainer_default_matches_the_crd_default() -> None:

@@ -87,6 +87,10 @@ BAD_VALUES = [
     ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
     ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create"),
+    # names of every object are made of these: upper case or '_' would be refused by the API server
+    ({"fullnameOverride": "Gem_Platform"}, "/fullnameOverride"),
+    ({"fullnameOverride": "1gem"}, "/fullnameOverride"),  # a Service name must start with a letter
+    ({"nameOverride": "GEM"}, "/nameOverride"),
     # a selector label would render twice in the pod template and stop matching the Deployment's selector
     ({"operator": {"podLabels": {"app.kubernetes.io/component": "ctl"}}}, "/operator/podLabels"),
     ({"nodePools": {"GPU": {}}}, "invalid propertyName 'GPU'"),

@@ -17,6 +17,19 @@
 {{- end -}}
 {{- end -}}
 
+{{/*
+<fullname>-<suffix> for objects whose name must be a DNS label (Services: at most 63 characters):
+the full name is cut so that the suffix still fits. Takes (dict "ctx" $ "suffix" "metrics").
+*/}}
+{{- define "gem-platform.suffixedName" -}}
+{{- $suffix := printf "-%s" .suffix -}}
+{{- $name := printf "%s%s" (include "gem-platform.fullname" .ctx | trunc (int (sub 63 (len $suffix))) | trimSuffix "-") $suffix -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "Service name %q is not a DNS label (a-z, 0-9 and '-', starting with a letter; a release name starting with a digit or holding a '.' gives one): set fullnameOverride" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
 {{- define "gem-platform.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
