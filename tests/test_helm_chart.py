@@ -598,3 +598,14 @@ def test_notes_say_what_to_do_next() -> None:
                    "mlflow-creds", "kueue.x-k8s.io/queue-name=gem", "crds/", "docs/operations.md"):
         assert needle in text, needle
     assert "team-a" in notes(NAMESPACED)
+
+
+def test_notes_upgrade_commands_work_on_a_helm_installed_cluster() -> None:
+    """Helm created the CRDs, so a server-side apply of new ones conflicts with manager "helm" unless
+    forced (NOTES lacked --force-conflicts); --reuse-values would drop the new chart's defaults."""
+    text = notes()
+    upgrade = text[text.index("Upgrading:"):]
+    assert "kubectl apply --server-side --force-conflicts -f <chart>/crds/" in upgrade
+    assert "--reset-then-reuse-values" in upgrade
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    assert "kubectl apply --server-side --force-conflicts -f helm/gem-platform/crds/" in docs
