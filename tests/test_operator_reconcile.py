@@ -357,3 +357,46 @@ def test_without_kueue_a_queue_label_still_suspends_through_run_policy(cluster):
     reconcile.reconcile("GEMTraining", body, LOG)
     reconcile.reconcile("GEMTraining", with_suspend(body, True, 2), LOG)
     assert cluster.get(JOBS, "PyTorchJob", "no-kueue-train")["spec"]["runPolicy"]["suspend"] is True
+
+
+# --------------------------------------------------------------------------- Events of phase changes
+
+
+def job_condition(type_: str, status: str, minute: int, reason: str = "", message: str = "") -> dict:
+    return {"type": type_, "status": status, "reason": reason or f"PyTorchJob{type_}",
+            "message": message or f"PyTorchJob back-train is {type_.lower()}.",
+            "lastTransitionTime": f"2026-01-01T00:{minute:02d}:00Z"}
+
+
+def reconcile_stored(cluster, kind: str, name: str) -> dict:
+    """One reconcile of the stored resource, its status written back (as the handler does)."""
+    status = reconcile.reconcile(kind, cluster.get(API, kind, name), LOG)
+    return cluster.patch_status(API, kind, name, status)["status"]
+
+
+def test_every_phase_change_posts_an_event_also_back_to_created_after_a_resume(cluster):
+    # Before the fix: Suspended -> Created (resumed, pods not up yet) posted nothing: its Event
+    # was keyed like the job's creation, found that Event (409) and was dropped.
+    stored(cluster, "GEMTraining", "back")
+    assert reconcile_stored(cluster, "GEMTraining", "back")["phase"] == "Created"
+    created = job_condition("Created", "True", 0)
+    history = [
+        ("Running", [created, job_condition("Running", "True", 1)]),
+        ("Suspended", [created, job_condition("Running", "False", 2, "PyTorchJobSuspended"),
+                       job_condition("Suspended", "True", 2)]),
+        ("Created", [created, job_condition("Suspended", "False", 3, "PyTorchJobResumed", "PyTorchJob back-train is resumed.")]),
+        ("Running", [created, job_condition("Suspended", "False", 3, "PyTorchJobResumed"), job_condition("Running", "True", 4)]),
+        ("Suspended", [created, job_condition("Running", "False", 5, "PyTorchJobSuspended"),
+                       job_condition("Suspended", "True", 5)]),
+        ("Created", [created, job_condition("Suspended", "False", 6, "PyTorchJobResumed", "PyTorchJob back-train is resumed.")]),
+    ]
+    for phase, conditions in history:
+        cluster.patch_status(JOBS, "PyTorchJob", "back-train", {"conditions": conditions})
+        status = reconcile_stored(cluster, "GEMTraining", "back")
+        assert status["phase"] == phase
+        reconcile_stored(cluster, "GEMTraining", "back")  # a rerun (resync, restart) posts nothing more
+    events = sorted(cluster.events(involved_name="back"), key=lambda e: int(e["metadata"]["resourceVersion"]))
+    assert [e["reason"] for e in events] == [
+        "JobCreated", "JobRunning", "JobSuspended", "JobCreated", "JobRunning", "JobSuspended", "JobCreated"]
+    assert events[3]["message"] == "PyTorchJob back-train is resumed."
+    assert status["message"] == "PyTorchJob back-train is resumed."  # not the stale "is created."

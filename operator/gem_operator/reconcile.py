@@ -455,11 +455,18 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
     if mlflow and not mlflow.get("runUrl") and CONFIG.mlflow_ui_url and mlflow.get("experimentId"):
         mlflow = {**mlflow, "runUrl": f"{CONFIG.mlflow_ui_url.rstrip('/')}/#/experiments/{mlflow['experimentId']}/runs/{mlflow['runId']}"}
         out["mlflow"] = mlflow
+    uid = job["metadata"].get("uid")
+    if phase == Phase.created.value:
+        # The Created condition is the job's first; after a resume the condition that changed last
+        # (Suspended=False, "... is resumed.") says why the job is back at Created.
+        cond = max(job_status.get("conditions", []), key=lambda c: c.get("lastTransitionTime") or "")
+        message = cond.get("message", "")
     if status.get("phase") != phase:
         kind = parent.get("kind", "")
-        # JobCreated is keyed like the creation's own Event: one per job, whichever path sees it first.
-        key = job["metadata"].get("uid") if phase == Phase.created.value else (
-            f"{job['metadata'].get('uid')}/{(cond or {}).get('lastTransitionTime')}")
+        # The first Created is keyed like the creation's own Event: one per job, whichever path sees
+        # it first. Any other change (back to Created included) by the time of the condition that made it.
+        first = phase == Phase.created.value and status.get("phase") in _BEFORE_JOB
+        key = uid if first else f"{uid}/{(cond or {}).get('lastTransitionTime')}"
         _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}",
                key=key)
         logger.info("phase %s -> %s", status.get("phase"), phase)
