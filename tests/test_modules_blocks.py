@@ -261,3 +261,21 @@ def test_rmsnorm_with_hand_written_backward_equals_torch():
         ref.weight.copy_(ours.weight)
     x = torch.randn(5, 3, 16)
     _assert_same(_grads(ours, [x], lambda m, x: m(x)), _grads(ref, [x], lambda m, x: m(x)))
+
+
+def test_rmsnorm_is_the_same_function_in_bf16_and_float64():
+    """eps=None is float32's eps for every dtype. nn.RMSNorm's bf16 eps (0.0078) exceeds the mean
+    square of small inputs such as the PFFN keys (~1e-3 at init): the bf16 model once computed
+    x/sqrt(0.009) where fp32 computed x/sqrt(0.001). float64 inputs (gradcheck) once raised."""
+    from gem.modules.common import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16)
+    x = torch.randn(8, 16) * 0.03  # mean square ~1e-3
+    want = norm(x)
+    torch.testing.assert_close(norm(x.bfloat16()).float(), want, atol=2e-2, rtol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(norm(x.bfloat16()).float(), want, atol=2e-2, rtol=2e-2)
+    norm64 = copy.deepcopy(norm).double()
+    torch.testing.assert_close(norm64(x.double()).float(), want)
+    assert torch.autograd.gradcheck(norm64, (x.double().requires_grad_(),))

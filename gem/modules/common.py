@@ -33,7 +33,8 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         D = x.shape[-1]
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # one fp32 pass
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays fp64
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)  # one pass
         r = torch.rsqrt(norm.square() / D + eps)  # [..., 1]
         xr = x * r.to(x.dtype)
         ctx.save_for_backward(xr, r, weight)
@@ -46,15 +47,24 @@ class _RMSNormFn(torch.autograd.Function):
         gw = g * weight.to(g.dtype)
         proj = torch.linalg.vecdot(gw, xr, dim=-1).unsqueeze(-1) / g.shape[-1]  # r · mean(g·w·x), one pass
         dx = (gw - xr * proj.to(xr.dtype)) * r.to(xr.dtype)
-        dw = (g * xr).reshape(-1, g.shape[-1]).sum(0, dtype=torch.float32)
+        dw = (g * xr).reshape(-1, g.shape[-1]).sum(0, dtype=r.dtype)
         return dx, dw.to(weight.dtype), None
 
 
+_FP32_EPS = torch.finfo(torch.float32).eps
+
+
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same result) with a cheaper backward; works in the input's dtype."""
+    """nn.RMSNorm (same parameter, same fp32 result) with a cheaper backward; works in the input's dtype.
+
+    eps=None means float32's eps for every input dtype: the mean square is taken in fp32 anyway.
+    nn.RMSNorm would use the input dtype's (0.0078 for bf16), larger than the mean square of the
+    PFFN keys and HSP summaries at init (~1e-3), so under bf16 the norms hardly normalised and the
+    model computed another function than in fp32.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        eps = _FP32_EPS if self.eps is None else self.eps
         return _RMSNormFn.apply(x, self.weight, eps)
 
 
