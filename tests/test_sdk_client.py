@@ -60,7 +60,11 @@ def test_backends_keep_the_base_signatures(impl):
     for name in methods:
         if impl is GEMClient and name.startswith("_"):
             continue
-        assert inspect.signature(getattr(impl, name)) == inspect.signature(getattr(Backend, name)), name
+        sig = inspect.signature(getattr(impl, name))
+        if impl is GEMClient and name == "metrics":  # GEMClient bounds the whole read itself, on both backends
+            assert list(sig.parameters)[-1] == "timeout" and sig.parameters["timeout"].default is None
+            sig = sig.replace(parameters=list(sig.parameters.values())[:-1])
+        assert sig == inspect.signature(getattr(Backend, name)), name
 
 
 def test_public_methods_are_documented():

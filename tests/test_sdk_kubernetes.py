@@ -624,3 +624,53 @@ def test_pods_whose_answer_is_cut_off_is_a_backend_error(client, kubeapi):
     kubeapi.faults.add(method="GET", path=r"/api/v1/namespaces/default/pods\?", truncate=True, times=1)
     r = CliRunner().invoke(gemctl_app, ["pods", "gt", "cut", "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 5 and "Error: failed to list pods of GEMTraining default/cut" in r.output, r.output
+
+
+@pytest.fixture
+def trickling_mlflow():
+    """The address of an MLflow that is alive but never done answering: it sends a byte of its
+    answer every 0.2 s, so that no read ever times out."""
+    import http.server
+
+    stop = threading.Event()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            while not stop.is_set():
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                stop.wait(0.2)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    stop.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.timeout(120)  # the guard: before, metrics never returned
+def test_metrics_keep_to_their_timeout_when_mlflow_never_finishes_answering(client, kubeapi, trickling_mlflow,
+                                                                            monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    kubeapi.create(API, "GEMTraining", {"metadata": {"name": "slow"}, "spec": {
+        "training": {"steps": 3}, "mlflow": {"trackingUri": trickling_mlflow}}})
+    with pytest.raises(WaitTimeoutError) as info:
+        client.metrics("slow", timeout=1)
+    assert str(info.value) == ("timed out after 1s reading the metrics of GEMTraining default/slow from MLflow: "
+                               "it is slow or not answering; pass a longer timeout (gemctl metrics --timeout)")
+    r = CliRunner().invoke(gemctl_app, ["metrics", "gt", "slow", "--timeout", "1",
+                                        "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 4 and "timed out after 1s reading the metrics of GEMTraining default/slow" in r.output, \
+        r.output

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
-from gem_sdk._exceptions import WaitTimeoutError
-from gem_sdk._objects import phase_of, pod_name
+from gem_sdk._exceptions import WaitTimeoutError, describe
+from gem_sdk._objects import phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
     TERMINAL_PHASES,
@@ -506,6 +506,7 @@ class GEMClient:
         kind: str | None = None,
         namespace: str | None = None,
         keys: Iterable[str] | None = None,
+        timeout: float | None = None,
     ) -> dict[str, list[MetricPoint]]:
         """The history of the job's metrics from its MLflow run (loss, lr, eval NE/AUC per task, ...).
 
@@ -519,6 +520,9 @@ class GEMClient:
             kind: Default: the object's kind, else GEMTraining.
             namespace: Default: the object's, else the backend's.
             keys: Metric keys to read, e.g. `["loss", "ne/click"]`. Default: every metric of the run.
+            timeout: Seconds to take at most, the whole read included (MLflow bounds each request,
+                not a tracking server that answers slowly forever). Default: no limit. The read
+                that ran out is left to a background thread, which ends with it.
 
         Returns:
             {key: [MetricPoint(step, value, timestamp), ...]} ordered by step.
@@ -526,9 +530,32 @@ class GEMClient:
         Raises:
             NotFoundError: no such job, or it has no MLflow run yet.
             ValidationError: the job does not log to MLflow, or no tracking URI is known.
+            WaitTimeoutError: `timeout` passed first.
             BackendError: mlflow is not installed or the tracking server failed.
         """
-        return self.backend.metrics(name, kind=kind, namespace=namespace, keys=keys)
+        if timeout is None:
+            return self.backend.metrics(name, kind=kind, namespace=namespace, keys=keys)
+        done: queue.Queue = queue.Queue(maxsize=1)
+
+        def run() -> None:
+            try:
+                done.put((True, self.backend.metrics(name, kind=kind, namespace=namespace, keys=keys)))
+            except BaseException as e:  # handed to the caller
+                done.put((False, e))
+
+        threading.Thread(target=run, daemon=True, name="metrics").start()
+        try:
+            ok, value = done.get(timeout=timeout)
+        except queue.Empty:
+            kind, namespace, name = resolve_ref(name, kind, namespace, self.default_namespace)
+            raise WaitTimeoutError(
+                f"timed out after {timeout:g}s reading the metrics of {describe(kind, namespace, name)} from MLflow: "
+                "it is slow or not answering; pass a longer timeout (gemctl metrics --timeout)",
+                kind=kind, namespace=namespace, name=name,
+            ) from None
+        if not ok:
+            raise value
+        return value
 
 
 def _interleave(

@@ -477,6 +477,8 @@ def metrics(
     mlflow_tracking_uri: Annotated[Optional[str], typer.Option(
         "--mlflow-tracking-uri", help="MLflow to read from (default: the job's spec.mlflow.trackingUri, "
         "then $MLFLOW_TRACKING_URI; locally the URI the job ran with).")] = None,
+    timeout: Annotated[Optional[float], typer.Option(
+        "--timeout", help="Seconds to take at most reading MLflow (default: 300).")] = 300,
     local: LocalOpt = False,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
@@ -490,7 +492,8 @@ def metrics(
         # MLflow retries a failing request 7 times, over about 4 minutes (say, an in-cluster
         # address that does not resolve here); a command should answer sooner. $MLFLOW_... wins.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        history = client.metrics(name, kind=kind, namespace=namespace, keys=key or None)
+        # A tracking server that answers, but slowly, is not cut by MLflow's own per-request timeout.
+        history = client.metrics(name, kind=kind, namespace=namespace, keys=key or None, timeout=timeout)
         if output is Output.table:
             _print_table(history_table(history, title=f"{kind} {name}: metric history"))
         elif output is Output.yaml:
