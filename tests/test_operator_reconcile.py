@@ -400,3 +400,53 @@ def test_every_phase_change_posts_an_event_also_back_to_created_after_a_resume(c
         "JobCreated", "JobRunning", "JobSuspended", "JobCreated", "JobRunning", "JobSuspended", "JobCreated"]
     assert events[3]["message"] == "PyTorchJob back-train is resumed."
     assert status["message"] == "PyTorchJob back-train is resumed."  # not the stale "is created."
+
+
+# --------------------------------------------------------------------------- edits to a finished resource
+
+FINISHED = {"Succeeded": [job_condition("Created", "True", 0), job_condition("Succeeded", "True", 5)],
+            "Failed": [job_condition("Created", "True", 0), job_condition("Failed", "True", 5)]}
+DISTILL_SPEC = {"teacher": {"checkpoint": "/ckpt/teacher"}}
+
+
+def finished(cluster, kind: str, name: str, phase: str) -> dict:
+    """A resource whose job ended (`phase`), its status written, with metrics to keep."""
+    stored(cluster, kind, name, **(DISTILL_SPEC if kind == "LoopFMDistill" else {}))
+    job_name = reconcile_stored(cluster, kind, name)["pytorchJob"]
+    cluster.patch_status(JOBS, "PyTorchJob", job_name, {"conditions": FINISHED[phase], "completionTime": "2026-01-01T00:05:00Z"})
+    status = reconcile_stored(cluster, kind, name)
+    assert status["phase"] == phase
+    return cluster.patch_status(API, kind, name, {**status, "metrics": {"ne/click": 0.8}})
+
+
+def edit(cluster, kind: str, name: str, spec: dict) -> dict:
+    plural = "gemtrainings" if kind == "GEMTraining" else "loopfmdistills"
+    return kube.custom().patch_namespaced_custom_object("gem.dev", "v1alpha1", "default", plural, name, {"spec": spec})
+
+
+@pytest.mark.parametrize("job_left", [True, False], ids=["job-left", "job-cleaned-up"])
+@pytest.mark.parametrize("kind, phase", [("GEMTraining", "Succeeded"), ("LoopFMDistill", "Failed")])
+def test_an_edit_of_a_finished_resource_is_reported_not_applied(cluster, kind, phase, job_left):
+    # Before the fix, with the job cleaned up (TTL, kubectl delete): nothing at all, the edit was
+    # ignored silently; with the job left: "only spec.suspend may change while a job exists", as
+    # if the job still ran, and an edit of spec.suspend itself was ignored silently.
+    before = finished(cluster, kind, "done", phase)
+    job_name = before["status"]["pytorchJob"]
+    if not job_left:
+        cluster.delete(JOBS, "PyTorchJob", job_name)
+    for spec in ({"training": {"steps": 7}}, {"suspend": True}):
+        body = edit(cluster, kind, "done", spec)
+        status = reconcile.reconcile(kind, body, LOG)
+        rejected = condition(status, "SpecChangeAccepted")
+        assert (rejected["status"], rejected["reason"]) == ("False", "Finished")
+        assert rejected["message"].startswith(f"this {kind} has finished ({phase}): spec changes are not applied")
+        assert "delete and re-create it" in rejected["message"] and "new name" in rejected["message"]
+        # the rest of the status is kept as it was
+        assert status["phase"] == phase and status["metrics"] == {"ne/click": 0.8}
+        assert status["observedGeneration"] == body["metadata"]["generation"]
+        cluster.patch_status(API, kind, "done", status)
+        assert reconcile.reconcile(kind, cluster.get(API, kind, "done"), LOG) == status  # settled
+    assert warnings(cluster, "done").count("SpecChangeRejected") == 2  # one per edit
+    job = cluster.get(JOBS, "PyTorchJob", job_name)
+    assert (job is None) != job_left
+    assert job is None or not job["spec"]["runPolicy"].get("suspend")

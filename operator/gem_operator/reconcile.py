@@ -280,8 +280,12 @@ _BEFORE_JOB = (None, Phase.pending.value, Phase.waiting_for_teacher.value, Phase
 
 
 def _job_vanished(body: dict[str, Any], status: dict[str, Any], job_name: str) -> dict[str, Any]:
+    if status.get("phase") in _FINISHED:
+        # It ended, then its job was cleaned up: nothing to run, but an edit since is answered.
+        edited = status.get("observedGeneration") not in (None, body["metadata"].get("generation"))
+        return _reject_edit_of_finished(body, status, status["phase"]) if edited else status
     if status.get("phase") in TERMINAL_PHASES:
-        return status  # it ended, then its job was cleaned up: nothing to do
+        return status
     msg = (
         f"PyTorchJob {job_name} was deleted while the {body.get('kind')} was {status.get('phase')}; "
         "the operator never starts a second job for one resource: delete and recreate the resource to train again"
@@ -328,7 +332,13 @@ def _reconcile_running(
         conds = st.set_condition(conds, "Valid", "True", "SpecValid", "spec is valid")
     if body.get("kind") == "LoopFMDistill":  # a job exists only once its teacher was resolved
         conds = st.set_condition(conds, "TeacherReady", "True", "TeacherSucceeded", "teacher checkpoint resolved")
-    if problem is not None or not _spec_matches_job(body, job, obj):
+    want = "true" if spec.get("suspend") is True else "false"
+    requested = job["metadata"].get("annotations", {}).get(ANNOTATION_REQUESTED_SUSPEND)
+    job_phase, _ = st.phase_from_job(job.get("status"))
+    changed = problem is not None or not _spec_matches_job(body, job, obj)
+    if job_phase in _FINISHED and (changed or requested != want):
+        conds = _reject_edit_of_finished(body, {**status, "conditions": conds}, job_phase)["conditions"]
+    elif changed:
         msg = (
             "only spec.suspend may change while a job exists; other changes are ignored. "
             "Revert them, or create a new resource to train with the new spec"
@@ -341,9 +351,7 @@ def _reconcile_running(
         conds = st.set_condition(conds, "SpecChangeAccepted", "False", reason, msg)
     elif st.get_condition(status, "SpecChangeAccepted"):
         conds = st.set_condition(conds, "SpecChangeAccepted", "True", "SpecMatchesJob", "spec matches the running job")
-    want = "true" if spec.get("suspend") is True else "false"
-    requested = job["metadata"].get("annotations", {}).get(ANNOTATION_REQUESTED_SUSPEND)
-    if requested != want and not (job.get("status") or {}).get("completionTime"):
+    if requested != want and job_phase not in _FINISHED and not (job.get("status") or {}).get("completionTime"):
         applied = _pass_on_suspend(job, want == "true", logger)
         if applied:
             _event(body, "Normal", "Suspended" if want == "true" else "Resumed", f"set {applied}",
@@ -359,6 +367,29 @@ def _reconcile_running(
         # wrote Created: without this the resource would keep, say, WaitingForTeacher.
         status = _set_phase(status, Phase.created.value, f"PyTorchJob {job['metadata']['name']} created")
     return _observe_parallelism(body, job, status, logger)
+
+
+#: Phases of a resource whose job ran and ended: its spec is never applied again.
+_FINISHED = (Phase.succeeded.value, Phase.failed.value)
+
+
+def _reject_edit_of_finished(body: dict[str, Any], status: dict[str, Any], phase: str) -> dict[str, Any]:
+    """The status of a finished resource whose spec was edited: told once per edit, status kept.
+
+    Like a finished Job or PyTorchJob, a finished resource is not run again (its checkpoints, metrics
+    and MLflow run belong to the spec it ran); the edit is answered rather than ignored silently.
+    """
+    meta = body["metadata"]
+    kind, plural = body.get("kind", ""), KINDS.get(body.get("kind", ""), {}).get("plural", "")
+    msg = (
+        f"this {kind} has finished ({phase}): spec changes are not applied. To train with the new spec, "
+        f"delete and re-create it (kubectl delete {plural} {meta['name']}), or create one under a new name"
+    )
+    current = st.get_condition(status, "SpecChangeAccepted") or {}
+    if current.get("message") != msg or status.get("observedGeneration") != meta.get("generation"):
+        _event(body, "Warning", "SpecChangeRejected", msg, key=f"{meta.get('generation')}/finished")
+    conds = st.set_condition(status.get("conditions", []), "SpecChangeAccepted", "False", "Finished", msg)
+    return {**status, "conditions": conds, "observedGeneration": meta.get("generation")}
 
 
 def _queued(job: dict[str, Any]) -> bool:
