@@ -289,3 +289,35 @@ async def test_a_cancel_that_lands_as_the_executor_is_poked_still_stops_it(tmp_p
     executor._task.cancel()
     done, _ = await asyncio.wait([executor._task], timeout=10)  # a guard, not a timing: it stops or it never does
     assert executor._task in done and executor._task.cancelled()
+
+
+def test_a_restarted_container_keeps_the_previous_ones_id_and_log(kubeapi, tmp_path):
+    # As the kubelet: lastState.terminated is the container that exited (its containerID, exit code,
+    # times), and ?previous=true serves its log; before, lastState showed the new container's id and
+    # previous gave nothing.
+    go, ran = tmp_path / "go", tmp_path / "ran"
+    script = (f"import os, sys, time\nfirst = not os.path.exists({str(ran)!r})\nopen({str(ran)!r}, 'a').close()\n"
+              f"print('first' if first else 'second', flush=True)\n"
+              f"while first and not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+              "sys.exit(3) if first else time.sleep(60)\n")
+    kubeapi.create(*JOBS, pytorchjob("again", ["python", "-c", script], run_policy={"backoffLimit": 3}))
+    core = client.CoreV1Api(kubeapi.api_client())
+    first_pid = pid_of(kubeapi, "again-master-0")
+    with pytest.raises(client.ApiException) as info:
+        core.read_namespaced_pod_log("again-master-0", "default", previous=True)
+    assert info.value.status == 400
+    assert json.loads(info.value.body)["message"] == 'previous terminated container "pytorch" in pod "again-master-0" not found'
+    go.touch()
+
+    def restarted():
+        cs = kubeapi.get("v1", "Pod", "again-master-0")["status"]["containerStatuses"][0]
+        return cs if cs["restartCount"] == 1 and "running" in cs["state"] else None
+
+    cs = wait_for(restarted, what="the restarted container running")
+    last = cs["lastState"]["terminated"]
+    assert last["containerID"] == f"local://{first_pid}" != cs["containerID"]
+    assert last["exitCode"] == 3 and last["reason"] == "Error" and last["finishedAt"]
+    assert last["startedAt"] <= last["finishedAt"] <= cs["state"]["running"]["startedAt"]
+    assert core.read_namespaced_pod_log("again-master-0", "default", previous=True) == "first\n"
+    wait_for(lambda: core.read_namespaced_pod_log("again-master-0", "default") == "second\n", what="the new log")
+    assert core.read_namespaced_pod_log("again-master-0", "default", previous=True) == "first\n"

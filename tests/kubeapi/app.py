@@ -23,7 +23,7 @@ from .errors import ApiError, invalid
 from .faults import Faults
 from .store import ResourceType, Store, _split_selector, object_key
 
-LogProvider = Callable[[str, str, str | None], Any]
+LogProvider = Callable[[str, str, str | None, bool], Any]
 
 
 def qbool(q: Any, key: str) -> bool:
@@ -503,15 +503,16 @@ class KubeApp:
         if not container and len(containers) > 1:
             raise ApiError(400, f"a container name must be specified for pod {name}, choose one of: {containers}")
         container = container or (containers[0] if containers else "")
-        info = self.log_provider(ns, name, container) if self.log_provider else None
+        previous = qbool(q, "previous")
+        info = self.log_provider(ns, name, container, previous) if self.log_provider else None
+        if info is None and previous:
+            raise ApiError(400, f'previous terminated container "{container}" in pod "{name}" not found', "BadRequest")
         if info is None:
             raise ApiError(400, f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating', "BadRequest")
         log_path, is_running = info
         tail = q.get("tailLines")
         follow = qbool(q, "follow")
         data = _read(log_path)
-        if qbool(q, "previous"):
-            data = b""
         if tail is not None:
             lines = data.splitlines(keepends=True)
             data = b"".join(lines[-int(tail):]) if int(tail) > 0 else b""

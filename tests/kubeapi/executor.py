@@ -69,6 +69,9 @@ class PodRun:
     restart_at: float | None = None
     reported: tuple | None = None
     exhausted: bool = False
+    #: lastState.terminated once the container was restarted: the exited container's, as the
+    #: kubelet keeps it (its log is then `<log>.previous`).
+    last_terminated: dict | None = None
 
 
 @dataclass
@@ -196,11 +199,21 @@ class PyTorchJobExecutor:
         self.by_pod.clear()
         self.dying.clear()
 
-    def log_provider(self, ns: str, name: str, container: str | None):
+    def log_provider(self, ns: str, name: str, container: str | None, previous: bool = False):
+        """(log path, is running) of the pod's container, None before it has one. With `previous`,
+        the last terminated container's, as the kubelet serves `?previous=true`: in CrashLoopBackOff
+        the one that just exited (not restarted yet), after a restart the one before it."""
         run = self.by_pod.get((ns, name))
         if run is None:
             return None
-        return str(run.pod.log_path), lambda: run.pod.running
+        if not previous:
+            return str(run.pod.log_path), lambda: run.pod.running
+        if run.restart_at is not None:
+            return str(run.pod.log_path), lambda: False
+        if run.last_terminated is not None:
+            return f"{run.pod.log_path}.previous", lambda: False
+        raise ApiError(400, f'previous terminated container "{container or run.pod.container.get("name")}" in pod '
+                            f'"{name}" not found', "BadRequest")
 
     # ------------------------------------------------------------------ reconcile
 
@@ -510,6 +523,7 @@ class PyTorchJobExecutor:
                     run.exhausted = True
                 elif now >= run.restart_at:
                     run.restart_at = None
+                    run.last_terminated = self._terminated(run)  # before restart() forgets it
                     run.pod.restart()
             elif st.phase == "Failed" and not run.exhausted and allow_restart and run.reported != ("recreate",):
                 retryable = run.restart_policy in ("OnFailure", "Always") or (
@@ -574,8 +588,10 @@ class PyTorchJobExecutor:
         cs = {"name": run.pod.container.get("name"), "image": run.pod.container.get("image", ""),
               "imageID": "", "containerID": f"local://{st.pid or 0}", "ready": st.phase == "Running",
               "started": st.phase == "Running", "restartCount": st.restart_count, "state": cstate}
-        if waiting or (st.restart_count and st.phase == "Running"):
-            cs["lastState"] = {"terminated": self._terminated(run, last=True)}
+        # The last terminated container: while waiting to restart, the one that just exited.
+        last = self._terminated(run) if waiting else run.last_terminated
+        if last is not None:
+            cs["lastState"] = {"terminated": last}
         ready = "True" if st.phase == "Running" else "False"
         t = now_iso()
         status = {
@@ -595,7 +611,7 @@ class PyTorchJobExecutor:
         except ApiError:
             pass
 
-    def _terminated(self, run: PodRun, last: bool = False) -> dict:
+    def _terminated(self, run: PodRun) -> dict:
         st = run.pod.state
         d = {"exitCode": st.exit_code if st.exit_code is not None else 0, "reason": st.reason or "Error",
              "startedAt": st.started_at, "finishedAt": st.finished_at, "containerID": f"local://{st.pid or 0}"}
