@@ -6,9 +6,15 @@ import sys
 
 import pytest
 
-from gem.launcher import JobFailure, LocalPyTorchJob, training_operator_env
+from gem.launcher import JobFailure, LocalPyTorchJob, RestartBackOff, training_operator_env
 from gem.launcher.env import container_env
+from gem.launcher.local import restart_backoff_from_env
 from tests.kubeapi.testing import pytorchjob
+
+
+@pytest.fixture(autouse=True)
+def _quick_restarts(monkeypatch):
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "0")  # the 10 s default would slow restart tests
 
 
 def test_env_contract_master_and_workers():
@@ -96,6 +102,31 @@ def test_a_worker_that_always_fails_makes_limit_minus_one_restarts(tmp_path, lim
         assert failure.reason == "BackoffLimitExceeded"
         assert failure.message == f"backoffLimit {limit} reached after {restarts} restart(s)"
         assert run.pods["wf-master-0"].state.phase == "Running"
+
+
+def test_restart_back_off_is_the_kubelets_crash_loop_back_off():
+    backoff = RestartBackOff(10.0)
+    assert [backoff.next(ran_s=1.0) for _ in range(7)] == [10, 20, 40, 80, 160, 300, 300]
+    assert backoff.next(ran_s=600.0) == 10  # a container that ran 10 min starts the back-off afresh
+    assert backoff.next(ran_s=1.0) == 20
+    assert restart_backoff_from_env({}) == 10.0 and restart_backoff_from_env({"GEM_LOCAL_RESTART_BACKOFF_S": "0.5"}) == 0.5
+    for bad in ("-1", "nan", "inf", "10s"):
+        with pytest.raises(ValueError, match=f"GEM_LOCAL_RESTART_BACKOFF_S='{bad}' is not a number of seconds >= 0"):
+            restart_backoff_from_env({"GEM_LOCAL_RESTART_BACKOFF_S": bad})
+
+
+def test_a_failed_replica_is_not_restarted_before_its_back_off(tmp_path):
+    """poll() restarted a failed replica at once; it waits out its back-off now, its log in place."""
+    job = pytorchjob("cl", [sys.executable, "-c", "print('why it failed'); raise SystemExit(3)"],
+                     run_policy={"backoffLimit": 3})
+    with LocalPyTorchJob(job, tmp_path, restart_backoff=600) as run:
+        run.start()
+        pod = run.pods["cl-master-0"]
+        pod.proc.wait(30)
+        for _ in range(3):
+            assert run.poll()["cl-master-0"].phase == "Failed" and run.phase_now() == "Running"
+        assert pod.state.restart_count == 0 and pod.state.exit_code == 3
+        assert run.logs("cl-master-0") == "why it failed\n"
 
 
 def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):

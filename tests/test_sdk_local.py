@@ -107,6 +107,7 @@ def training(name: str = "quick", nodes: int = 2, **spec) -> dict:
 def root(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("GEM_HOME", str(tmp_path / "gemhome"))
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "0.1")  # the 10 s default would slow restart tests
     return tmp_path / "gemhome"
 
 
@@ -240,6 +241,30 @@ def test_backoff_limit_exhausted(client):
     job = fake(client, "fail").submit(training("nope", runPolicy={"backoffLimit": 1}))
     with pytest.raises(JobFailedError, match="does not exist"):
         client.wait(job, timeout=60)
+
+
+def test_a_failed_replica_waits_out_its_back_off_with_its_log_in_place(client, root, monkeypatch):
+    """A container that failed at once was replaced at once (no CrashLoopBackOff), so `logs` and a
+    follower could miss why it failed. Now the gang waits out a back-off, Restarting, the failed
+    container terminated in pods.yaml and its log where `logs` reads it."""
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "600")
+    job = fake(client, "flaky", seconds=60).submit(training("crashloop", nodes=1, runPolicy={"backoffLimit": 3}))
+    restarting = client.wait(job, until=["Restarting"], timeout=30)
+    cond = next(c for c in restarting.status.conditions if c.type == "Restarting")
+    assert cond.message.endswith("(1 restart(s) counted, backoffLimit 3); back-off 600s before the restart.")
+    state = _pods(client, "crashloop")["crashloop-train-master-0"]
+    assert state["restartCount"] == 0 and state["state"]["terminated"]["exitCode"] == 3
+    assert list(client.logs(job))[-1] == "first attempt fails"
+    logs = store.job_dir(root, "GEMTraining", "default", "crashloop") / "logs"
+    assert not (logs / "crashloop-train-master-0.log.previous").exists()
+    assert client.get(job).status.phase == "Restarting"
+
+
+def test_a_bad_restart_back_off_setting_is_refused_at_submit(client, root, monkeypatch):
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "10s")
+    with pytest.raises(ValidationError, match=r"GEM_LOCAL_RESTART_BACKOFF_S='10s' is not a number of seconds >= 0"):
+        fake(client).submit(training("early", nodes=1))
+    assert not (root / "default" / "gemtrainings" / "early").exists()
 
 
 def test_wait_times_out_and_delete_stops_the_processes(client, root):

@@ -6,13 +6,14 @@ emulation. Used by the SDK's local backend and by the test API server's executor
 """
 
 from .env import container_env, replica_name, training_operator_env
-from .local import ContainerState, JobFailure, LocalPod, LocalPyTorchJob, backoff_exhausted, free_port
+from .local import ContainerState, JobFailure, LocalPod, LocalPyTorchJob, RestartBackOff, backoff_exhausted, free_port
 
 __all__ = [
     "ContainerState",
     "JobFailure",
     "LocalPod",
     "LocalPyTorchJob",
+    "RestartBackOff",
     "backoff_exhausted",
     "container_env",
     "free_port",

@@ -40,6 +40,11 @@ No cluster, no containers, no torch import. Two layers:
   Without `backoffLimit` there is no limit (v1.9's PastBackoffLimit is false for a nil limit).
   `backoff_exhausted` is that rule alone; `LocalPyTorchJob.restart_blocked` applies it to a set
   of failed replicas (the SDK's local supervisor, which restarts the whole gang, asks it too).
+  A restart waits out a back-off, as the kubelet's CrashLoopBackOff does (`RestartBackOff`):
+  10 s, doubled for each further failure up to 5 min, back to 10 s after 10 min of running;
+  `GEM_LOCAL_RESTART_BACKOFF_S` (or `restart_backoff=`) sets the first delay, 0 restarts at once.
+  Unlike the kubelet, the first restart waits too: locally the failed container's log is the only
+  record of why it failed, and it stays in place (`<log>`, not yet `.previous`) meanwhile.
 
 The process environment is a small base (`BASE_ENV_KEYS` copied from this process when
 set, `PATH` with the interpreter's bin dir first, and `HOSTNAME` = pod name) plus the
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import math
 import os
 import re
 import shutil
@@ -75,6 +81,12 @@ IN_PLACE_POLICIES = ("OnFailure", "Always")
 #: `JobFailure.reason`s.
 BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
 REPLICA_FAILED = "ReplicaFailed"
+#: The kubelet's CrashLoopBackOff (pkg/kubelet: 10 s initial, 300 s cap, reset once a container
+#: ran 2 x the cap); the environment variable sets the initial delay (tests shorten it).
+RESTART_BACKOFF_ENV = "GEM_LOCAL_RESTART_BACKOFF_S"
+RESTART_BACKOFF_S = 10.0
+MAX_RESTART_BACKOFF_S = 300.0
+RESTART_BACKOFF_RESET_S = 600.0
 
 
 def now_iso() -> str:
@@ -86,6 +98,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def restart_backoff_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """The first restart's delay in seconds: `$GEM_LOCAL_RESTART_BACKOFF_S`, else 10.
+
+    Raises:
+        ValueError: the variable is set to something other than a number of seconds >= 0.
+    """
+    raw = (os.environ if environ is None else environ).get(RESTART_BACKOFF_ENV, "").strip()
+    if not raw:
+        return RESTART_BACKOFF_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{RESTART_BACKOFF_ENV}={raw!r} is not a number of seconds >= 0: set it to the delay "
+                         "before a failed replica's first restart (doubled for each further one, up to "
+                         f"{MAX_RESTART_BACKOFF_S:g} s; 0 restarts at once), or unset it for {RESTART_BACKOFF_S:g} s")
+    return value
+
+
+class RestartBackOff:
+    """How long to wait before restarting a failed container: the kubelet's CrashLoopBackOff, the
+    initial delay doubled after each failure up to `cap` (at least the initial delay), and the
+    initial delay again after a container that ran `reset_after` seconds before it failed."""
+
+    def __init__(self, initial: float, cap: float = MAX_RESTART_BACKOFF_S,
+                 reset_after: float = RESTART_BACKOFF_RESET_S) -> None:
+        self.initial, self.cap, self.reset_after = initial, max(cap, initial), reset_after
+        self.delay: float | None = None  # the last delay given; None before the first failure
+
+    def next(self, ran_s: float) -> float:
+        """The delay before restarting a container that failed after running `ran_s` seconds."""
+        if self.delay is None or ran_s >= self.reset_after:
+            self.delay = self.initial
+        else:
+            self.delay = min(self.cap, self.delay * 2)
+        return self.delay
 
 
 @dataclass
@@ -161,6 +212,9 @@ class LocalPod:
         self.log_path = Path(log_path) if log_path else self.sandbox / f"{name}.log"
         self.state = ContainerState()
         self.proc: subprocess.Popen | None = None
+        self._started_mono: float | None = None
+        #: How long the last container ran before it exited (what a restart's back-off resets on).
+        self.ran_s = 0.0
         self.mounts: dict[str, str] = {}
         self._prepared = False
         self._rewrite_re: re.Pattern | None = None
@@ -299,11 +353,14 @@ class LocalPod:
             self._finish(128, "StartError", str(e))
             return st
         st.phase, st.pid = "Running", self.proc.pid
+        self._started_mono = time.monotonic()
         st.started_at, st.finished_at, st.exit_code, st.reason, st.message = now_iso(), None, None, None, ""
         return st
 
     def _finish(self, code: int, reason: str | None = None, message: str | None = None) -> None:
         st = self.state
+        self.ran_s = time.monotonic() - self._started_mono if self._started_mono is not None else 0.0
+        self._started_mono = None
         st.exit_code = code
         st.phase = "Succeeded" if code == 0 else "Failed"
         st.reason = reason or ("Completed" if code == 0 else "Error")
@@ -460,6 +517,8 @@ class LocalPyTorchJob:
         claims_dir: where PVCs live (default `<workdir>/claims`).
         master_addr / master_port: what MASTER_ADDR / MASTER_PORT become locally
             (default 127.0.0.1 and a free port).
+        restart_backoff: the delay before a failed replica's first restart, in seconds (doubled
+            for each further one, see `RestartBackOff`); default `restart_backoff_from_env()`.
     """
 
     def __init__(
@@ -471,6 +530,7 @@ class LocalPyTorchJob:
         claims_dir: str | os.PathLike | None = None,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        restart_backoff: float | None = None,
     ) -> None:
         self.job = job
         self.name = job["metadata"]["name"]
@@ -478,6 +538,9 @@ class LocalPyTorchJob:
         self.master_addr = master_addr
         self.master_port = master_port or free_port()
         self.replicas: dict[str, ReplicaInfo] = {}
+        self.restart_backoff = restart_backoff_from_env() if restart_backoff is None else restart_backoff
+        self._backoffs: dict[str, RestartBackOff] = {}
+        self._restart_at: dict[str, float] = {}  # pod -> when its restart is due (poll's own restarts)
         specs = job["spec"]["pytorchReplicaSpecs"]
         run_policy = job["spec"].get("runPolicy") or {}
         self.backoff_limit = run_policy.get("backoffLimit")
@@ -507,14 +570,23 @@ class LocalPyTorchJob:
         for r in self.replicas.values():
             r.pod.start()
 
+    def restart_delay(self, name: str) -> float:
+        """The back-off before restarting the failed replica `name` (its `RestartBackOff` moves on)."""
+        backoff = self._backoffs.setdefault(name, RestartBackOff(self.restart_backoff))
+        return backoff.next(self.replicas[name].pod.ran_s)
+
     def poll(self) -> dict[str, ContainerState]:
-        """Refresh every replica, restarting failed ones within the backoff limit."""
-        for r in self.replicas.values():
+        """Refresh every replica, restarting failed ones within the backoff limit once their
+        back-off has passed (a replica waiting for it stays Failed, its log in place)."""
+        for n, r in self.replicas.items():
             st = r.pod.poll()
             # phase_now() fails the job for any failed replica that may not restart (Never,
             # ExitCode under 128, backoff exhausted), `r` included: "Running" means restart it.
             if st.phase == "Failed" and self.phase_now() == "Running":
-                r.pod.restart()
+                due = self._restart_at.setdefault(n, time.monotonic() + self.restart_delay(n))
+                if time.monotonic() >= due:
+                    del self._restart_at[n]
+                    r.pod.restart()
         return {n: r.pod.state for n, r in self.replicas.items()}
 
     def _restarts_counted(self, policies: tuple[str, ...]) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from gem.api.render import TeacherMount, job_name, render_config_map, render_pytorchjob
 from gem.api.types import KINDS, TERMINAL_PHASES, LoopFMDistill, Phase
 from gem.api.validation import runnable_field_problems
+from gem.launcher.local import restart_backoff_from_env
 from gem_sdk._exceptions import (
     AlreadyExistsError,
     BackendError,
@@ -217,6 +218,14 @@ class LocalBackend(Backend):
         return (self.cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                 or f"sqlite:///{self.root / store.MLFLOW_DB}")
 
+    @staticmethod
+    def _check_environment() -> None:
+        """A supervisor inherits this environment: refuse what it would fail on, before it starts."""
+        try:
+            restart_backoff_from_env()
+        except ValueError as e:
+            raise ValidationError(str(e)) from None
+
     def _spawn(self, d: Path) -> None:
         with open(d / store.SUPERVISOR_LOG, "ab") as log:
             proc = subprocess.Popen(
@@ -243,6 +252,7 @@ class LocalBackend(Backend):
         name, kind = model.metadata.name, model.kind
         model.metadata.namespace = ns
         ref = {"kind": kind, "namespace": ns, "name": name}
+        self._check_environment()
         # What the operator refuses with Valid=False (gem.api.validation), refused here before
         # anything runs, in the operator's words: the spec is meant to run on a cluster later.
         problems = runnable_field_problems(model)
@@ -450,6 +460,8 @@ class LocalBackend(Backend):
     ) -> Resource:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         self._read(kind, ns, name)
+        if suspend is False:
+            self._check_environment()  # a resume starts a supervisor
         d = self._dir(kind, ns, name)
         resume = False
         try:

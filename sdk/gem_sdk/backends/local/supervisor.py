@@ -18,6 +18,9 @@ kept running), and the job fails instead of restarting once the replicas' summed
 would reach `runPolicy.backoffLimit` (is > 0 for 0): a limit of n allows n - 1 restarts, none for
 0 or 1; no limit when it is unset (GEM resources always set it, default 3). Never, and ExitCode
 under 128, fail at once; ExitCode restarts are counted apart, up to `backoffLimit` of them.
+A restart waits out the launcher's back-off (`RestartBackOff`, the kubelet's CrashLoopBackOff:
+10 s, 20 s, ... up to 5 min; `GEM_LOCAL_RESTART_BACKOFF_S` sets the first): the gang is stopped at
+once, the job is Restarting and the failed containers stay terminated, their logs in place.
 `activeDeadlineSeconds` is enforced. SIGTERM (sent by `delete`) stops every replica and exits
 without writing.
 
@@ -109,6 +112,8 @@ class Supervisor:
         self.deadline_s = run_policy.get("activeDeadlineSeconds")
         self.job_status: dict[str, Any] = dict(self.job.get("status") or {})
         self.started = 0.0
+        self.restart_at: float | None = None  # while the gang waits out its back-off: when it restarts
+        self.restart_counted: set[str] = set()  # the replicas whose restartCount that restart counts
         self.suspended = False  # pods are gone while suspended, as on a cluster
         self._written: tuple[Any, ...] | None = None
 
@@ -265,8 +270,9 @@ class Supervisor:
         except FileNotFoundError:
             raise _Stop() from None
         with _signals_deferred():
-            for info in self.run.replicas.values():  # resumed while stopping: start the gang again
-                info.pod.restart(count=False)  # not a failure: on a cluster, new pods
+            for n, info in self.run.replicas.items():  # resumed while stopping: start the gang again
+                info.pod.restart(count=n in self.restart_counted)  # else not a failure: new pods
+        self._restarted()
         return False
 
     # ------------------------------------------------------------------ lifecycle
@@ -322,6 +328,11 @@ class Supervisor:
             self._finish("Failed", "DeadlineExceeded",
                          f"PyTorchJob {self.name} has failed because it was active longer than specified deadline")
             return True
+        if self.restart_at is not None:  # the gang is down, waiting out its back-off
+            if time.monotonic() >= self.restart_at:
+                self._restart_gang()
+            self.write()
+            return False
         failed = {n for n, s in states.items() if s.phase == "Failed"}
         if failed:
             # The launcher's rule (training-operator v1.9's PastBackoffLimit) decides, with every
@@ -338,19 +349,33 @@ class Supervisor:
             why = self._failed_replicas()
             limit = self.run.backoff_limit
             counted = self.run.restarts + len(failed)
+            # The back-off of the replica that has failed most often (the gang restarts together).
+            delay = max(self.run.restart_delay(n) for n in failed)
             self._cond("Running", "False", "PyTorchJobRestarting", why)
             self._cond("Restarting", "True", "PyTorchJobRestarting",
                        f"PyTorchJob {self.name} is restarting because {why} ({counted} restart(s) counted, "
-                       + (f"backoffLimit {limit})." if limit is not None else "no backoffLimit)."))
-            self.write()
+                       + (f"backoffLimit {limit}" if limit is not None else "no backoffLimit")
+                       + f"); back-off {delay:g}s before the restart.")
             with _signals_deferred():
                 self.run.stop()  # gang restart: every replica, so the rendezvous starts afresh
-                for n, info in self.run.replicas.items():
-                    info.pod.restart(count=n in failed)
-            self._cond("Restarting", "False", "PyTorchJobRestarting", "")
-            self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
+            self.restart_at, self.restart_counted = time.monotonic() + delay, failed
+            if delay <= 0:
+                self._restart_gang()
         self.write()
         return False
+
+    def _restart_gang(self) -> None:
+        """Start every replica again, in place (the previous logs kept as `<log>.previous`)."""
+        with _signals_deferred():
+            self.run.stop()
+            for n, info in self.run.replicas.items():
+                info.pod.restart(count=n in self.restart_counted)
+        self._restarted()
+        self._cond("Restarting", "False", "PyTorchJobRestarting", "")
+        self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
+
+    def _restarted(self) -> None:
+        self.restart_at, self.restart_counted = None, set()
 
     def main(self) -> int:
         try:
