@@ -296,3 +296,52 @@ def test_deepspeed_overrides_that_agree_with_the_spec_are_runnable(training, par
     worse = {**training, "deepspeed": {**training["deepspeed"], "gradient_accumulation_steps": 2}}
     problems = runnable_problems(_gemt(training=worse, parallelism=parallelism))
     assert [p.split(": ", 1)[0] for p in problems] == ["spec.training.deepspeed.gradient_accumulation_steps"]
+
+
+# DeepSpeed's other precision keys (what DeepSpeed 0.19 does with each: gem/api/validation.py). Before,
+# none was checked: fp32 with torch_autocast trained the forward in bf16/fp16, a grad_accum_dtype or
+# param_dtype other than the spec's dtype failed at setup (NotImplementedError / AssertionError, exit 1,
+# restarted) or, at ZeRO-1/2, reduced the gradients in another dtype; amp failed at setup, exit 1.
+@pytest.mark.parametrize(
+    ("training", "field"),
+    [
+        ({"precision": "bf16", "deepspeed": {"amp": {"enabled": True}}}, "amp"),
+        ({"deepspeed": {"amp": {"enabled": False}}}, "amp"),  # DeepSpeed 0.19 refuses the key itself
+        ({"precision": "fp32", "deepspeed": {"torch_autocast": {"enabled": True, "dtype": "bf16"}}}, "torch_autocast"),
+        ({"precision": "bf16", "deepspeed": {"torch_autocast": {"enabled": True, "dtype": "fp16"}}}, "torch_autocast"),
+        ({"precision": "bf16", "deepspeed": {"torch_autocast": {"enabled": True}}}, "torch_autocast"),  # fp16 on GPUs
+        ({"precision": "mxfp8", "deepspeed": {"torch_autocast": True}}, "torch_autocast"),
+        ({"precision": "bf16", "deepspeed": {"data_types": {"grad_accum_dtype": "fp32"}}}, "data_types.grad_accum_dtype"),
+        ({"precision": "fp32", "deepspeed": {"data_types": {"grad_accum_dtype": "bf16"}}}, "data_types.grad_accum_dtype"),
+        ({"precision": "mxfp8", "deepspeed": {"data_types": {"param_dtype": "fp32"}}}, "data_types.param_dtype"),
+        ({"precision": "fp32", "deepspeed": {"data_types": {"param_dtype": "half"}}}, "data_types.param_dtype"),
+        ({"precision": "fp32", "deepspeed": {"data_types": "bf16"}}, "data_types"),
+    ],
+)
+def test_deepspeed_dtype_overrides_that_contradict_the_precision_are_not_runnable(training, field):
+    from gem.api.validation import runnable_problems
+
+    for obj in (_gemt(training=training),
+                parse_object({"kind": "LoopFMDistill", "metadata": {"name": "s"},
+                              "spec": {"teacher": {"checkpoint": "/c"}, "training": training}})):
+        problems = runnable_problems(obj)
+        assert len(problems) == 1 and problems[0].startswith(f"spec.training.deepspeed.{field}: "), problems
+        assert "use spec.training.precision" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        # the trainer's own bf16 autocast, said again
+        {"precision": "bf16", "deepspeed": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}},
+        {"precision": "mxfp8", "deepspeed": {"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}},
+        {"precision": "fp32", "deepspeed": {"torch_autocast": {"enabled": False, "dtype": "fp16"}}},
+        {"precision": "bf16", "deepspeed": {"data_types": {"grad_accum_dtype": "bf16", "param_dtype": "bfloat16",
+                                                           "buffer_dtype": "fp32", "keep_in_fp32_modules": []}}},
+        {"precision": "fp32", "deepspeed": {"data_types": {"grad_accum_dtype": "float32", "param_dtype": None}}},
+    ],
+)
+def test_deepspeed_dtype_overrides_that_agree_with_the_precision_are_runnable(training):
+    from gem.api.validation import runnable_problems
+
+    assert runnable_problems(_gemt(training=training)) == []

@@ -200,6 +200,36 @@ def test_a_bf16_override_disabling_bf16_is_a_config_error(tmp_path, capsys):
     assert checkpoint.latest_complete(tmp_path / "ckpt/local/nobf16") is None
 
 
+def test_deepspeeds_own_autocast_under_fp32_is_a_config_error(tmp_path, capsys):
+    """torch_autocast replaces the trainer's autocast inside the engine's forward: with precision fp32
+    this job trained its forward in bf16 (exit 0) and gem eval evaluated it in fp32."""
+    path = manifest(tmp_path, "dsautocast", training={"precision": "fp32", "deepspeed": {
+        "torch_autocast": {"enabled": True, "dtype": "bf16"}}})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.training.deepspeed.torch_autocast")
+    assert checkpoint.latest_complete(tmp_path / "ckpt/local/dsautocast") is None
+
+
+def test_deepspeed_dtype_overrides_that_agree_keep_the_spec_precision(tmp_path, monkeypatch):
+    """What validation lets through trains as the spec says: bf16 forward, bf16 module, bf16 gradients
+    (DeepSpeed's data_types and torch_autocast, said again)."""
+    import torch
+
+    seen = []
+    save = checkpoint.save
+
+    def recording_save(engine, env, job, **kwargs):
+        seen.append((engine.get_data_types(), engine.torch_autocast_dtype(),
+                     {p.dtype for p in engine.module.parameters()}))
+        return save(engine, env, job, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", recording_save)
+    path = manifest(tmp_path, "dsagree", steps=2, training={"precision": "bf16", "deepspeed": {
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+        "data_types": {"grad_accum_dtype": "bf16", "param_dtype": "bf16", "keep_in_fp32_modules": []}}})
+    assert cli.main(["train", "--config", str(path)]) == 0
+    assert seen and all(s == ((torch.bfloat16, torch.bfloat16), torch.bfloat16, {torch.bfloat16}) for s in seen)
+
+
 def test_shards_with_bf16_are_a_config_error_on_every_rank(tmp_path):
     """ep=2 with bf16 (2 ranks, ZeRO-2, the tiny preset's 2 experts): the expert shards would train
     without fp32 master weights. The trainer refused it with a plain ValueError (exit 1: Kubernetes

@@ -90,6 +90,26 @@ DEEPSPEED_BATCH_KEYS = {
 #: weights that gem eval then evaluates cast to bf16; fp16 is not offered.
 DEEPSPEED_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")
 
+#: DeepSpeed's names of each dtype (deepspeed.runtime.config.DtypeEnum), without importing it.
+_DTYPE_NAMES = {
+    "fp32": {"fp32", "float32", "float", "torch.float32"},
+    "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+    "fp16": {"fp16", "float16", "half", "torch.float16"},
+}
+#: data_types keys that set the dtype DeepSpeed trains in (DeepSpeed 0.19, runtime/engine.py):
+#: param_dtype must equal the bf16/fp16 mode's (an assert at setup otherwise); grad_accum_dtype
+#: other than it is NotImplementedError at ZeRO-0, and at ZeRO-1/2 accumulates and reduces the
+#: gradients in another dtype than the spec's (fp32 with bf16 at ZeRO-1 swaps the ZeRO optimizer
+#: for DeepSpeed's BF16_Optimizer, other checkpoint files). buffer_dtype and keep_in_fp32_modules
+#: cast only floating buffers, which the GEM models and students have none of: merged as given.
+DEEPSPEED_DTYPE_KEYS = ("param_dtype", "grad_accum_dtype")
+_USE_PRECISION = "use spec.training.precision (fp32, bf16 or mxfp8; fp16 is not offered)"
+
+
+def _dtype_name(value: Any) -> str | None:
+    """'fp32' / 'bf16' / 'fp16' for one of DeepSpeed's names of it, else None."""
+    return next((name for name, names in _DTYPE_NAMES.items() if str(value) in names), None)
+
 def derived_deepspeed_keys(training: Any, *, data_world: int) -> dict[str, Any]:
     """The batch and precision keys of the DeepSpeed config the trainer derives from `training`, with
     `data_world` data-parallel ranks (world size / tp)."""
@@ -110,8 +130,9 @@ def _enabled(section: Any) -> bool:
 
 def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any]) -> list[tuple[str, str]]:
     """(spec.training.deepspeed.<key>, problem) for each override that differs from the `derived`
-    config: a batch key `derived` holds, or a precision section whose `enabled` differs (a section
-    that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key)."""
+    config: a batch key `derived` holds, a precision section whose `enabled` differs (a section
+    that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key), or amp /
+    torch_autocast / data_types that would train in another dtype (_dtype_override_problems)."""
     problems = []
     for key, fix in DEEPSPEED_BATCH_KEYS.items():
         if key in overrides and key in derived and overrides[key] != derived[key]:
@@ -127,6 +148,42 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
                              f"{section!r} differs from the trainer's {{'enabled': {derived_on}}}, which "
                              "spec.training.precision sets; remove it and use spec.training.precision "
                              "(fp32, bf16 or mxfp8; fp16 is not offered)"))
+    problems.extend(_dtype_override_problems(overrides, "bf16" if _enabled(derived.get("bf16")) else "fp32"))
+    return problems
+
+
+def _dtype_override_problems(overrides: dict[str, Any], dtype: str) -> list[tuple[str, str]]:
+    """(field, problem) for DeepSpeed's other precision keys, against `dtype`, the one the spec trains in
+    (bf16 for bf16 and mxfp8, else fp32): `amp`, `torch_autocast` and `data_types`."""
+    problems = []
+    if "amp" in overrides:
+        # DeepSpeed 0.19 refuses the key at setup, enabled or not (DeepSpeedConfigError)
+        problems.append(("spec.training.deepspeed.amp", "DeepSpeed 0.19 removed its NVIDIA Apex AMP integration and "
+                                                        f"refuses the key; remove it and {_USE_PRECISION}"))
+    if "torch_autocast" in overrides:
+        section = overrides["torch_autocast"]
+        if not isinstance(section, dict):
+            problems.append(("spec.training.deepspeed.torch_autocast",
+                             f"{section!r} is not a section; remove it and {_USE_PRECISION}"))
+        elif section.get("enabled", False) and (dtype != "bf16" or _dtype_name(section.get("dtype")) != "bf16"):
+            # enabled, DeepSpeed's autocast replaces the trainer's around the forward, in its dtype (torch's
+            # default when unset: fp16 on GPUs), under precision fp32 too; only bf16 with bf16 is the same
+            trainer = "bf16 autocast" if dtype == "bf16" else "fp32 (no autocast)"
+            problems.append(("spec.training.deepspeed.torch_autocast",
+                             f"{section!r} would run the forward under DeepSpeed's autocast in "
+                             f"{section.get('dtype', 'fp16 on GPUs (dtype unset)')}, not the trainer's {trainer}, "
+                             f"which spec.training.precision sets; remove it and {_USE_PRECISION}"))
+    if "data_types" in overrides:
+        section = overrides["data_types"]
+        if not isinstance(section, dict):
+            problems.append(("spec.training.deepspeed.data_types",
+                             f"{section!r} is not a section; remove it and {_USE_PRECISION}"))
+            section = {}
+        for key in DEEPSPEED_DTYPE_KEYS:
+            if section.get(key) is not None and _dtype_name(section[key]) != dtype:
+                problems.append((f"spec.training.deepspeed.data_types.{key}",
+                                 f"{section[key]!r} differs from the trainer's {dtype!r}, the dtype "
+                                 f"spec.training.precision trains in; remove it and {_USE_PRECISION}"))
     return problems
 
 
