@@ -217,3 +217,18 @@ def test_documented_handling_of_out_of_contract_histories():
     assert bool(((rows >= 0) & (rows < 2048)).all())
     small = [0, 1, 12345]  # no int64 wrap-around: the documented formula exactly
     assert hash_ids(torch.tensor(small), 2048, 17).tolist() == [((i + 17) * 2654435761) % 2048 for i in small]
+
+
+def test_an_empty_batch_gives_empty_logits_and_a_zero_loss(degenerate_models):
+    """B = 0 (e.g. a filter that kept no example): HSP's tiled seed pooling once raised IndexError
+    and the heads could not reshape 0 elements; now every model returns [0] logits."""
+    from gem.modules.inputs import random_inputs
+
+    inputs = random_inputs(degenerate_models["gem"].cfg, torch.zeros(0, dtype=torch.int64))
+    for name, model in degenerate_models.items():
+        out = model(inputs)
+        assert set(out) == {"click", "conversion", "dwell"}, name
+        assert all(v.shape == (0,) for v in out.values()), name
+        loss, _ = model.loss(inputs)
+        loss.backward()
+        assert float(loss.detach()) == 0.0, name

@@ -140,3 +140,11 @@ def test_gdpa_argument_errors():
         gdpa(q, q, q, q_offsets=off, k_offsets=off, activation=("relu",))
     with pytest.raises(ValueError, match="window"):
         gdpa(q, q, q, k_offsets=off, broadcast_q=True, window=2)
+
+
+def test_broadcast_queries_over_an_empty_batch_give_an_empty_result():
+    """B = 0 (no examples): the tiled kernel once raised IndexError where the reference gives [0, Nq, H, dh]."""
+    q, empty = _rand(3, 2, 4), torch.zeros(0, 2, 4)
+    for kernel in (Kernel.PYTORCH, Kernel.TILED):
+        out = gdpa(q, empty, empty, k_offsets=make_offsets([]), broadcast_q=True, kernel=kernel)
+        assert out.shape == (0, 3, 2, 4)

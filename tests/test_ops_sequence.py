@@ -56,3 +56,29 @@ def test_oneseq_merge_orders_by_time_and_keeps_the_most_recent():
     assert v.squeeze(1).tolist() == [10.0, 20.0, 11.0, 21.0, 12.0, 22.0]
     _, t2, off2, _ = oneseq_merge(values, [clicks_t, convs_t], [clicks_o, convs_o], max_seq_len=2)
     assert off2.tolist() == [0, 2, 4] and t2.tolist() == [7, 9, 1, 3]
+
+
+def test_every_op_refuses_decreasing_offsets_naming_them():
+    """A negative segment length once failed deep inside ('repeats can not be negative', a shape
+    mismatch) or, in jagged_last_k and the merge reference, returned rows of other segments."""
+    import pytest
+
+    from gem.ops import block_attention, gdpa, jagged_attention
+
+    x = torch.randn(6, 2, 4)
+    bad = torch.tensor([0, 4, 2, 6])
+    dense = torch.randn(3, 2, 2, 4)
+    calls = {
+        "segment_sum": lambda kn: segment_sum(x, bad, kernel=kn),
+        "jagged_last_k": lambda kn: jagged_last_k(x, bad, 2, kernel=kn),
+        "jagged_attention": lambda kn: jagged_attention(x, x, x, bad, kernel=kn),
+        "block_attention": lambda kn: block_attention(x, x, x, bad, block_size=4, kernel=kn),
+        "gdpa": lambda kn: gdpa(x, x, x, q_offsets=bad, k_offsets=make_offsets([6, 0, 0]), kernel=kn),
+        "gdpa_dense": lambda kn: gdpa(x, dense, dense, q_offsets=bad, kernel=kn),
+        "gdpa_broadcast": lambda kn: gdpa(x[:2], x, x, k_offsets=bad, broadcast_q=True, kernel=kn),
+        "oneseq_merge": lambda kn: oneseq_merge_index([torch.arange(6)], [bad], kernel=kn),
+    }
+    for name, call in calls.items():
+        for kernel in (Kernel.PYTORCH, Kernel.TILED):
+            with pytest.raises(ValueError, match=r"offsets.* must be non-decreasing.*\[1\] = 4 > .*\[2\] = 2"):
+                call(kernel)

@@ -54,7 +54,7 @@ class MultiTaskHeads(nn.Module):
         shared = experts[:, : self.n_sh]  # [B, n_sh, e]
         own = experts[:, self.n_sh :].reshape(B, S, self.n_ps, self.e)[ar, surface]  # [B, n_ps, e]
         pool = torch.cat([shared, own], dim=1)  # [B, n_g, e]
-        gates = torch.einsum("bh,ghn->bgn", x, self.gate_w.to(dt)).view(B, T, S, -1)[ar, :, surface]  # [B, T, n_g]
+        gates = torch.einsum("bh,ghn->bgn", x, self.gate_w.to(dt)).view(B, T, S, self.n_sh + self.n_ps)[ar, :, surface]  # [B, T, n_g]
         mixed = torch.einsum("btn,bne->bte", torch.softmax(gates.float(), -1).to(dt), pool)  # [B, T, e]
         # Towers of every (task, surface), then the example's surface.
         t1 = F.gelu(torch.einsum("bte,tsef->btsf", mixed, self.tower1_w.to(dt).view(T, S, self.e, self.tw))

@@ -49,6 +49,13 @@ def check_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets")
         torch._assert(int(offsets[0]) == 0, f"{name}[0] must be 0")
         torch._assert(int(offsets[-1]) == num_values,
                       f"{name}[-1] ({int(offsets[-1])}) must equal the number of values ({num_values})")
+        # Decreasing offsets (a negative length) made some ops fail deep inside and others (the
+        # last-k gather, the merge reference) return rows of the wrong segments.
+        drops = torch.nonzero(offsets.diff() < 0)
+        if drops.numel():
+            i = int(drops[0])
+            raise ValueError(f"{name} must be non-decreasing (offsets[b+1] - offsets[b] is segment b's length): "
+                             f"{name}[{i}] = {int(offsets[i])} > {name}[{i + 1}] = {int(offsets[i + 1])}")
 
 
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,8 @@ def _broadcast_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: t
         q_offsets = offsets_of(torch.full((B,), Nq, dtype=torch.int64, device=k_offsets.device))
         buckets = plan_buckets(q_offsets, k_offsets)
     plan = buckets
+    if not plan.buckets:  # no examples (B = 0) or no queries (Nq = 0): nothing to pool
+        return (q * 0.0).unsqueeze(0).expand(B, Nq, H, dh).contiguous()
     k_tiles = plan.k_tiles(to_slots(k, plan.k_layout))
     v_tiles = plan.k_tiles(to_slots(v, plan.k_layout))
     qt = q.permute(1, 2, 0)  # [H, dh, Nq]
