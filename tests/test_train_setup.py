@@ -379,6 +379,43 @@ def test_setup_changes_name_what_deepspeeds_files_depend_on(tmp_path):
     assert checkpoint.setup_changes(ckpt0, wider, world_size=2) == ["spec.model.numLayers is 3, was unset"]
 
 
+def test_one_rule_names_the_fields_that_change_the_weights_shape(tmp_path):
+    """check_student_unchanged (a distillation's restart, before the teacher loads) and setup_changes
+    (why no checkpoint loads) had two rules. setup_changes named every differing spec.student /
+    spec.model field: a checkpoint that did not load for another reason (a damaged file) was blamed on
+    spec.student.maxSeqLen, which no weight depends on (a SpecError, exit 2, saying to set it back), and
+    a changed distillation.method went unnamed; check_student_unchanged refused a kd job over memoryK,
+    which only the LoopFM student reads."""
+    from gem.api import parse_object
+    from gem.distill.task import check_student_unchanged
+
+    root = str(tmp_path / "ckpt")
+
+    def distill(**parts):
+        return parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "LoopFMDistill", "metadata": {"name": "d"},
+                             "spec": {"teacher": {"checkpoint": "/t"}, "checkpoint": {"path": root}, **parts}})
+
+    ckpt = _saved_checkpoint(checkpoint.job_dir_of(root, None, "d"), distill().spec.to_wire(), ranks=1)
+    (ckpt / checkpoint.COMPLETE).write_text("{}")
+    for change, expected in [
+        ({"student": {"maxSeqLen": 64}}, []),
+        ({"distillation": {"memoryK": 4}}, []),
+        ({"student": {"hiddenDim": 128, "maxSeqLen": 64}}, ["spec.student.hiddenDim is 128, was 64"]),
+        ({"distillation": {"method": "loopfm", "memoryK": 4}},
+         ["spec.distillation.method is loopfm, was kd", "spec.distillation.memoryK is 4, was 16"]),
+    ]:
+        now = distill(**change)
+        assert checkpoint.setup_changes(ckpt, now.spec, world_size=1) == expected, change
+        if expected:
+            with pytest.raises(SpecError, match=re.escape("; ".join(expected)) + " when step-00000002 under "):
+                check_student_unchanged(now)
+        else:
+            check_student_unchanged(now)
+    # GEMTraining: spec.model.maxSeqLen shapes no weight of the GEM model either
+    gem_ckpt = _saved_checkpoint(tmp_path / "gem", _spec(model={"preset": "tiny"}).to_wire(), ranks=1)
+    assert checkpoint.setup_changes(gem_ckpt, _spec(model={"preset": "tiny", "maxSeqLen": 128}), world_size=1) == []
+
+
 def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path, monkeypatch):
     """Every file and directory of a checkpoint is fsynced before it is renamed; the job dir after the
     rename; COMPLETE last; older checkpoints are deleted only then."""

@@ -21,27 +21,19 @@ from gem.data.errors import SpecError
 from gem.distill.student import build_student
 from gem.distill.teacher import load_teacher_on_every_rank, resumed_manifest, with_teacher
 from gem.model.loss import masked_bce, task_labels, task_masks
+from gem.train import checkpoint
 from gem.train.task import LossFn
-
-
-#: Student fields its weights' shapes depend on: changed under a job that has checkpoints, no resume can load them.
-_SHAPE_FIELDS = (("student", "embeddingDim"), ("student", "hiddenDim"), ("distillation", "method"),
-                 ("distillation", "memoryK"))
 
 
 def check_student_unchanged(manifest: LoopFMDistill) -> None:
     """A restarted job whose spec.student / distillation changed the student's shape since its checkpoints:
-    a SpecError naming the field (exit 2), not a state-dict mismatch at every restart (exit 1)."""
+    a SpecError naming the field (exit 2), not a state-dict mismatch at every restart (exit 1). The
+    fields are checkpoint.SHAPE_FIELDS, which also explain a checkpoint that does not load."""
     found = resumed_manifest(manifest)
     if found is None:
         return
     saved, latest = found
-    saved_spec, now = saved.get("spec") or {}, manifest.spec.to_wire()
-    changes = []
-    for section, name in _SHAPE_FIELDS:
-        was = (saved_spec.get(section) or {}).get(name)
-        if was is not None and was != now[section].get(name):
-            changes.append(f"spec.{section}.{name} is {now[section].get(name)}, was {was}")
+    changes = checkpoint.shape_changes(saved.get("spec") or {}, manifest.spec.to_wire())
     if changes:
         raise SpecError(f"{'; '.join(changes)} when {latest.name} under {latest.parent} was saved: a restarted "
                         "distillation resumes its student from there, which needs the same shape. Set them back, "

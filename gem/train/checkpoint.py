@@ -509,10 +509,39 @@ def _or_unset(value: Any) -> Any:
     return "unset" if value is None else value
 
 
+#: The spec fields a job's weights' shapes depend on, by section: GEMTraining's spec.model, a
+#: distillation's spec.student and its method (and LoopFM's memoryK). Not maxSeqLen: no weight
+#: depends on it (the GEM model's attention and the student's pooling read any history length).
+SHAPE_FIELDS = {"model": ("preset", "embeddingDim", "numHeads", "numLayers"),
+                "student": ("embeddingDim", "hiddenDim"),
+                "distillation": ("method", "memoryK")}
+
+
+def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """["spec.student.hiddenDim is 128, was 64", ...]: the SHAPE_FIELDS that differ between a saved
+    spec and this one (wire form), in SHAPE_FIELDS order. The one rule for both checks of them: a
+    distillation's before its teacher loads (gem.distill.task.check_student_unchanged), and the
+    explanation of a checkpoint that does not load (setup_changes)."""
+    changes = []
+    for section, names in SHAPE_FIELDS.items():
+        was_s, now_s = saved.get(section), now.get(section)
+        if not isinstance(was_s, dict) or not isinstance(now_s, dict):
+            continue
+        for name in names:
+            was, cur = was_s.get(name), now_s.get(name)
+            if section != "model" and was is None:
+                continue  # a field with a default, written into every manifest: absent, the manifest predates it
+            if name == "memoryK" and "loopfm" not in (was_s.get("method"), now_s.get("method")):
+                continue  # only the LoopFM student reads memoryK
+            if was != cur:
+                changes.append(f"spec.{section}.{name} is {_or_unset(cur)}, was {_or_unset(was)}")
+    return changes
+
+
 def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     """What DeepSpeed's files depend on that differs between the run that saved `ckpt` and this one
     (`spec`: the GEMTraining / LoopFMDistill spec): ZeRO stage, precision, parallel plan, world size,
-    and the model's shape (spec.model / spec.student).
+    and the weights' shapes (shape_changes: spec.model / spec.student and the distillation method).
 
     ["spec.parallelism.zeroStage is 3, was 1", ...]; [] when nothing differs or `ckpt` has no readable gem.yaml.
     """
@@ -532,14 +561,7 @@ def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     if was_par and was_par.get("plan") != now_par.get("plan"):
         changes.append(f"spec.parallelism.plan is {now_par.get('plan') or 'automatic'}, "
                        f"was {was_par.get('plan') or 'automatic'}")
-    # the weights' shapes: a GEMTraining's spec.model, a distillation's spec.student
-    for section in ("model", "student"):
-        was_m, now_m = saved.get(section), now.get(section)
-        if isinstance(was_m, dict) and isinstance(now_m, dict):
-            for key in sorted(set(was_m) | set(now_m)):
-                if was_m.get(key) != now_m.get(key):
-                    changes.append(f"spec.{section}.{key} is {_or_unset(now_m.get(key))}, "
-                                   f"was {_or_unset(was_m.get(key))}")
+    changes += shape_changes(saved, now)  # the weights' shapes
     ranks = len(list((ckpt / "rng").glob("rank-*.pt")))  # every rank saves its RNG state
     # ZeRO-0 resumes on any world size; ZeRO partitions and ep / sparse_shard shards do not
     if ranks and ranks != world_size and (now_par.get("zeroStage") or (ckpt / SHARDS_DIR).is_dir()):
