@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -470,6 +471,39 @@ def test_crud_errors_selectors_and_namespaces(client):
     with pytest.raises(ValidationError):
         client.submit({**training("c"), "spec": {"training": {"steps": 0}}})
     assert not (client.backend.root / "default" / "gemtrainings" / "c").exists()
+
+
+# What kube-apiserver's labels.Parse accepts, and matches, with the labels team=ads, tier=3
+SELECTORS_KUBECTL_ACCEPTS = {
+    "team=ads": True, "team==ads,tier": True, "tier>2": True, "tier<3": False, "!canary": True,
+    "team in (ads, search)": True, "team notin (ads)": False, "team in ()": False, "team=": False,
+    "example.com/team!=ads": True, "in in (notin)": False,
+}
+# ... and refuses: a trailing comma, a blank inside a value, bad keys and values, '>' on a non-integer
+SELECTORS_KUBECTL_REFUSES = ["team=ads,", "team in (ads search)", "-team=ads", "a/b/team=ads", "team=-ads",
+                             "x" * 64 + "=ads", "tier>high", "!team=ads", "team=ads=x", ","]
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS_KUBECTL_ACCEPTS))
+def test_label_selectors_match_like_kube_apiserver(client, selector):
+    """The local list parsed selectors with a regex: it refused `tier>2`, and took `team=ads,` or
+    `team in (ads search)` (which kubectl refuses) for selectors."""
+    fake(client).submit({**training("sel", nodes=1), "metadata": {"name": "sel", "labels": {"team": "ads", "tier": "3"}}})
+    want = ["sel"] if SELECTORS_KUBECTL_ACCEPTS[selector] else []
+    assert [o.metadata.name for o in client.list(label_selector=selector)] == want
+
+
+@pytest.mark.parametrize("selector", SELECTORS_KUBECTL_REFUSES)
+def test_a_selector_kube_apiserver_refuses_is_refused(client, selector):
+    with pytest.raises(ValidationError, match=f"invalid label selector {re.escape(repr(selector))}: "):
+        client.list(label_selector=selector)
+
+
+def test_gemctl_list_names_a_malformed_selector_with_exit_2(root):
+    out = _gemctl("list", "--local", "-l", "tier in (gold silver)", root=root)
+    assert out.returncode == 2, out.stderr
+    assert ("invalid label selector 'tier in (gold silver)': unable to parse requirement: "
+            "found 'silver', expected: ',' or ')'") in out.stderr
 
 
 def test_distillation_teacher_is_resolved_locally(client, root):

@@ -40,7 +40,6 @@ from gem_sdk._objects import (
     check_suspendable,
     describe_until,
     from_wire,
-    match_labels,
     normalize_until,
     phase_of,
     pod_from_wire,
@@ -62,7 +61,7 @@ from gem_sdk._types import (
     resolve_kind,
 )
 from gem_sdk.backends.base import Backend
-from gem_sdk.backends.local import store
+from gem_sdk.backends.local import selector, store
 
 #: Marks a checkpoint claim the local backend made up (no spec.checkpoint.claimName); it is
 #: deleted with the job, like a PVC owned by it.
@@ -322,7 +321,7 @@ class LocalBackend(Backend):
         kinds = [resolve_kind(kind)] if kind else list(KINDS)
         ns = None if all_namespaces else (namespace or self.default_namespace)
         out = []
-        match_labels(label_selector, {})  # a bad selector fails even when there are no jobs
+        matches = selector.parse(label_selector)  # a bad selector fails even when there are no jobs
         for k in kinds:
             for d in store.iter_job_dirs(self.root, k, ns):
                 try:
@@ -333,7 +332,7 @@ class LocalBackend(Backend):
                 except BackendError as e:  # one unreadable job must not hide the others
                     warnings.warn(f"skipping the local job in {d}: {e}; `delete` removes it", stacklevel=2)
                     continue
-                if match_labels(label_selector, (body.get("metadata") or {}).get("labels") or {}):
+                if matches((body.get("metadata") or {}).get("labels") or {}):
                     out.append(obj)
         return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
 
