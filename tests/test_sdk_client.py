@@ -61,8 +61,11 @@ def test_backends_keep_the_base_signatures(impl):
         if impl is GEMClient and name.startswith("_"):
             continue
         sig = inspect.signature(getattr(impl, name))
-        if impl is GEMClient and name == "metrics":  # GEMClient bounds the whole read itself, on both backends
-            assert list(sig.parameters)[-1] == "timeout" and sig.parameters["timeout"].default is None
+        # GEMClient's own last parameters: metrics' timeout (it bounds the whole read itself, on both
+        # backends), logs' previous (it reads KubernetesBackend._previous_log)
+        extra = {"metrics": ("timeout", None), "logs": ("previous", False)}.get(name) if impl is GEMClient else None
+        if extra is not None:
+            assert list(sig.parameters)[-1] == extra[0] and sig.parameters[extra[0]].default is extra[1]
             sig = sig.replace(parameters=list(sig.parameters.values())[:-1])
         assert sig == inspect.signature(getattr(Backend, name)), name
 

@@ -674,3 +674,39 @@ def test_metrics_keep_to_their_timeout_when_mlflow_never_finishes_answering(clie
                                         "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 4 and "timed out after 1s reading the metrics of GEMTraining default/slow" in r.output, \
         r.output
+
+
+def test_logs_previous_reads_the_container_before_a_restart(client, kubeapi, tmp_path):
+    # What `kubectl logs --previous` is for: why the container of a crash loop died.
+    from tests.kubeapi.testing import pytorchjob, wait_for
+
+    go, ran = tmp_path / "go", tmp_path / "ran"
+    script = (f"import os, sys, time\nfirst = not os.path.exists({str(ran)!r})\nopen({str(ran)!r}, 'a').close()\n"
+              "print('first: out of memory' if first else 'second: done', flush=True)\n"
+              f"while first and not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+              "sys.exit(3 if first else 0)\n")
+    client.submit(manifest("crashy"))
+    kubeapi.create("kubeflow.org/v1", "PyTorchJob", pytorchjob("crashy-train", [sys.executable, "-c", script],
+                                                                 run_policy={"backoffLimit": 3}))
+    wait_for(lambda: list(client.logs("crashy", timeout=30)) == ["first: out of memory"], what="the first container")
+    with pytest.raises(NotFoundError, match="pod default/crashy-train-master-0 of GEMTraining default/crashy has no "
+                                            "previous container: it has not been restarted"):
+        client.logs("crashy", previous=True)
+    go.touch()
+
+    def restarted_and_done():
+        pod = kubeapi.get("v1", "Pod", "crashy-train-master-0")
+        return pod["status"]["phase"] == "Succeeded" and pod["status"]["containerStatuses"][0]["restartCount"] == 1
+
+    wait_for(restarted_and_done, what="the second container done")
+    assert list(client.logs("crashy", previous=True)) == ["first: out of memory"]
+    assert list(client.logs("crashy")) == ["second: done"]
+    r = CliRunner().invoke(gemctl_app, ["logs", "gt", "crashy", "-p", "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 0 and r.stdout == "first: out of memory\n", r.output
+    r = CliRunner().invoke(gemctl_app, ["logs", "gt", "crashy", "-p", "--all-replicas",
+                                        "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 2 and "--previous reads one replica's log: drop --all-replicas" in r.output, r.output
+    from gem_sdk import LocalBackendConfig
+
+    with pytest.raises(ValidationError, match=r"logs/<pod>\.log\.previous"):
+        GEMClient(LocalBackendConfig(root=str(tmp_path / "home"))).logs("crashy", previous=True)

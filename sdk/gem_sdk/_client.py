@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
-from gem_sdk._exceptions import WaitTimeoutError, describe
+from gem_sdk._exceptions import ValidationError, WaitTimeoutError, describe
 from gem_sdk._objects import phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
@@ -189,6 +189,7 @@ class GEMClient:
         index: int = 0,
         follow: bool = False,
         timeout: float | None = None,
+        previous: bool = False,
     ) -> Iterator[str]:
         """Stream the log of one trainer pod, waiting for the pod to start first.
 
@@ -204,17 +205,30 @@ class GEMClient:
             follow: Keep streaming until the pod's container exits.
             timeout: Seconds to wait at most for the pod to start. Default: forever (but a job
                 that ended without the pod raises NotFoundError).
+            previous: The log of the pod's last terminated container instead, as
+                `kubectl logs --previous` (why a crash-looping container died): nothing is waited
+                for, and `follow` and `timeout` do not apply. Kubernetes backend only.
 
         Returns:
             An iterator of log lines, without their newlines.
 
         Raises:
             NotFoundError: no such job, it has no such replica (one master, workers
-                0..numNodes-2), or it ended without that pod.
-            ValidationError: bad replica or index.
+                0..numNodes-2), or it ended without that pod; with `previous`, the pod does not
+                exist or its container has not been restarted.
+            ValidationError: bad replica or index; `previous` on the local backend.
             WaitTimeoutError: the pod did not start within `timeout`.
             BackendError: the API or the local runtime failed.
         """
+        if previous:
+            read_previous = getattr(self.backend, "_previous_log", None)
+            if read_previous is None:
+                raise ValidationError(
+                    "previous=True (gemctl logs --previous) reads a cluster's pod; locally the previous "
+                    "container's log is the file logs/<pod>.log.previous in the job's directory under the "
+                    "backend's root ($GEM_HOME or ~/.gem)"
+                )
+            return read_previous(name, kind=kind, namespace=namespace, replica=replica, index=index)
         return self.backend.logs(
             name, kind=kind, namespace=namespace, replica=replica, index=index, follow=follow, timeout=timeout
         )

@@ -367,6 +367,8 @@ def logs(
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the pod exits.")] = False,
     all_replicas: Annotated[bool, typer.Option("--all-replicas", help="Every replica's log, each line prefixed with [pod].")] = False,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most for the pod to start.")] = None,
+    previous: Annotated[bool, typer.Option("-p", "--previous", help="The log of the container before the last "
+                                           "restart (why a crash-looping container died), as kubectl's.")] = False,
     local: LocalOpt = False,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
@@ -377,11 +379,14 @@ def logs(
         kind = resolve_kind(kind)
         client = _client(local, kubeconfig, context, namespace)
         if all_replicas:
+            if previous:
+                raise ValidationError("--previous reads one replica's log: drop --all-replicas, pick it with "
+                                      "--replica/--index")
             for pod, line in client.all_logs(name, kind=kind, namespace=namespace, follow=follow, timeout=timeout):
                 _echo(f"[{pod}] {line}")
             return
         for line in client.logs(name, kind=kind, namespace=namespace, replica=replica.value, index=index,
-                                follow=follow, timeout=timeout):
+                                follow=follow, timeout=timeout, previous=previous):
             _echo(line)
 
 

@@ -392,6 +392,29 @@ class KubernetesBackend(Backend):
         self._wait_for_pod(kind, ns, name, pod, deadline)
         return self._lines(self._read_log(kind, ns, name, pod, follow), kind, ns, name)
 
+    def _previous_log(self, name: Ref, *, kind: str | None = None, namespace: str | None = None,
+                      replica: str = "master", index: int = 0) -> Iterator[str]:
+        """The log of the replica's last terminated container, as `kubectl logs --previous` reads it:
+        in CrashLoopBackOff the one that just exited, after a restart the one before the current."""
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        self._check_replica(kind, ns, name, pod, replica, index, None)
+        ref = {"kind": kind, "namespace": ns, "name": name}
+        try:
+            resp = self.core.read_namespaced_pod_log(pod, ns, container=CONTAINER_NAME, previous="true",
+                                                     _preload_content=False, _request_timeout=_timeouts(None))
+        except ApiException as e:
+            if e.status == 404:  # the job exists (checked above): it is the pod's
+                raise NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist (not created yet, "
+                                    "or cleaned up): it has no previous container", **ref) from None
+            if e.status == 400 and "previous terminated container" in status_message(e):
+                raise NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} has no previous container: it "
+                                    "has not been restarted", **ref) from None
+            raise api_error(e, "read logs of", kind, ns, name) from None
+        except CONNECTION_ERRORS as e:
+            raise api_error(e, "read logs of", kind, ns, name) from None
+        return self._lines(resp, kind, ns, name)
+
     def _container_log(
         self,
         name: Ref,
