@@ -278,7 +278,7 @@ def test_rbac_grants_nothing_dangerous() -> None:
     assert "*" not in resources | verbs | {g for g, _, _ in everything}
     assert not resources & {"secrets", "pods/exec", "pods/attach", "pods/portforward", "serviceaccounts/token"}
     # Nodes: read-only, for their topology labels (docs/parallelism.md); never patched or deleted.
-    assert {v for _, r, v in everything if r == "nodes"} == {"get", "list"}
+    assert {v for _, r, v in everything if r == "nodes"} == {"list"}
     assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
     # Subresources: status (ours), finalizers (ours, update only: see the next test) and pods/log,
     # read-only (the trainer's progress lines).

@@ -22,29 +22,35 @@ from kubernetes.client.rest import ApiException
 from gem.api.types import GROUP, KINDS, VERSION
 from gem_operator.settings import CONFIG
 
-#: Everything the operator's code does to the API (kopf's own needs included). Writes are patches
-#: (kopf's too): no update, and no delete: children go by their ownerReferences.
+#: Everything the operator's code does to the API (kopf's own needs included), and nothing more:
+#: tests/test_operator_rbac.py runs the operator under these rules, refusing anything else, and
+#: fails on a grant it never used. Writes are patches (kopf's too): no update, and no delete:
+#: children go by their ownerReferences.
 RBAC_RULES: list[dict[str, Any]] = [
+    # get: a teacher, a job's parent; list/watch: kopf; patch: kopf's finalizer and annotations
     {"apiGroups": [GROUP], "resources": [k["plural"] for k in KINDS.values()], "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": [GROUP], "resources": [f"{k['plural']}/status" for k in KINDS.values()], "verbs": ["get", "patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{k['plural']}/status" for k in KINDS.values()], "verbs": ["patch"]},
     # Children carry blockOwnerDeletion: true; where the OwnerReferencesPermissionEnforcement admission
     # plugin runs (OpenShift, hardened clusters) setting it needs update on the owner's finalizers.
     {"apiGroups": [GROUP], "resources": [f"{k['plural']}/finalizers" for k in KINDS.values()], "verbs": ["update"]},
     {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    # get: an existing one read back after a create's 409
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # a job's pods: the trainer's report and where the ranks landed
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     # the master's recent log lines carry the trainer's progress (see gem.api.status.progress_from_log)
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     # node labels size the topology levels and say where each rank landed (gem_operator/parallel.py)
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+    # core/v1 Events, each created once under a derived name (post_event); kopf posts core/v1 too
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # a Kueue-queued job is suspended and resumed through its Workload's spec.active (reconcile._pass_on_suspend)
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list", "patch"]},
-    # kopf: discovery of the resources it serves, and namespaces when running cluster-wide.
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+    # kopf: new and deleted CRDs of the resources it serves, and (serving given namespaces) namespaces.
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     # kopf peering (--peering): replicas announce themselves so only one acts.
-    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings", "clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings", "clusterkopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
 
