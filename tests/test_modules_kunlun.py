@@ -243,3 +243,46 @@ def test_an_empty_candidate_bag_matches_nothing_instead_of_a_neighbours_id(batch
     assert hi > lo
     for t in together:
         torch.testing.assert_close(together[t][b:b + 1], alone[t], atol=1e-5, rtol=1e-4)
+
+
+def _tier0(**kw):
+    return dataclasses.replace(CFG, tiers=(dataclasses.replace(CFG.tiers[0], **kw),) + CFG.tiers[1:])
+
+
+NONSENSE_CONFIGS = {
+    # what each once did instead of a config error
+    "num_layers": (lambda: dataclasses.replace(CFG, num_layers=0), "'NoneType' has no attribute 'to' at forward"),
+    "dim": (lambda: dataclasses.replace(CFG, dim=0), "ZeroDivisionError"),
+    "num_sum_tokens": (lambda: dataclasses.replace(CFG, num_sum_tokens=0), "ZeroDivisionError at forward"),
+    "sum_kron_rank": (lambda: dataclasses.replace(CFG, sum_kron_rank=0), "a reshape error at forward"),
+    "num_time_buckets": (lambda: dataclasses.replace(CFG, num_time_buckets=0), "index_select error"),
+    "num_experts": (lambda: dataclasses.replace(CFG, num_experts=0), "a model without interaction"),
+    "rotary_scale": (lambda: dataclasses.replace(CFG, rotary_scale=float("nan")), "NaN logits"),
+    "features.num_surfaces": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(CFG.features,
+                                                                                           num_surfaces=0)), ""),
+    "features.event_tables": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(
+        CFG.features, event_tables=("nope",))), "KeyError at forward"),
+    "sparse feature user: pooling": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(CFG.features, sparse=(
+        dataclasses.replace(CFG.features.sparse[0], pooling="avg"),) + CFG.features.sparse[1:])), "summed"),
+    "tasks": (lambda: dataclasses.replace(CFG, tasks=()), "TypeError in the loss"),
+    "tiers must name": (lambda: dataclasses.replace(CFG, tiers=()), "torch.cat of nothing at forward"),
+    "tiers must have distinct names": (lambda: dataclasses.replace(CFG, tiers=(CFG.tiers[0], CFG.tiers[0])),
+                       "the second tier silently replaced the first"),
+    "tier engaged: num_heads": (lambda: _tier0(num_heads=0), "ZeroDivisionError"),
+    "tier engaged: max_seq_len": (lambda: _tier0(max_seq_len=0), "ZeroDivisionError"),
+    "tier engaged: block_size": (lambda: _tier0(block_size=0), "'block shift must be in [0, 0)' at forward"),
+    "tier engaged: num_recent": (lambda: _tier0(num_recent=0), "'k must be >= 1' at forward"),
+    "tier engaged: event_types": (lambda: _tier0(event_types=()), "'one offsets tensor per input' at forward"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(NONSENSE_CONFIGS))
+def test_a_nonsense_config_is_refused_naming_the_field(field):
+    make, _before = NONSENSE_CONFIGS[field]
+    with pytest.raises(ValueError, match=f"^{field}"):
+        make()
+
+
+def test_an_unknown_gdpa_activation_is_refused_when_the_model_is_built():
+    with pytest.raises(ValueError, match="^gdpa_activation: unknown GDPA activation"):
+        KunlunModel(dataclasses.replace(CFG, gdpa_activation="softmax"))

@@ -7,6 +7,8 @@ Everything is a keyword-only, slotted, frozen dataclass; `PRESETS` holds the fou
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 # --------------------------------------------------------------------------- features
@@ -170,7 +172,38 @@ class KunlunConfig:
     tasks: tuple[Task, ...] = FUNNEL_TASKS
 
     def __post_init__(self) -> None:
+        # Sizes below 1 failed later with ZeroDivisionError, 'NoneType' has no attribute 'to'
+        # (num_layers=0) or a reshape error, or (num_layers < 0) built a model without layers.
+        _at_least(1, "", dim=self.dim, num_layers=self.num_layers, num_sum_tokens=self.num_sum_tokens,
+                  token_ffn_mult=self.token_ffn_mult, sum_kron_rank=self.sum_kron_rank, num_experts=self.num_experts,
+                  expert_tokens=self.expert_tokens, fm_rank=self.fm_rank, fm_hidden=self.fm_hidden,
+                  num_time_buckets=self.num_time_buckets, head_hidden=self.head_hidden,
+                  num_shared_experts=self.num_shared_experts, head_expert_dim=self.head_expert_dim,
+                  tower_dim=self.tower_dim, **{"features.num_surfaces": self.features.num_surfaces})
+        _at_least(0, "", num_dense_tokens=self.num_dense_tokens, num_surface_experts=self.num_surface_experts)
+        if not math.isfinite(self.rotary_scale):
+            raise ValueError(f"rotary_scale must be a finite number, got {self.rotary_scale!r}")
+        if not self.tiers:
+            raise ValueError("tiers must name at least one event tier (e.g. gem.modules.config.two_tiers(...))")
+        _unique("tiers", [t.name for t in self.tiers])
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task (e.g. gem.modules.config.FUNNEL_TASKS)")
+        _unique("tasks", [t.name for t in self.tasks])
+        tables = [t.name for t in self.features.tables]
+        for field, names in (("features.sparse", [s.table for s in self.features.sparse]),
+                             ("features.event_tables", list(self.features.event_tables))):
+            if not set(names) <= set(tables):
+                raise ValueError(f"{field} name tables {sorted(set(names) - set(tables))} that are not in "
+                                 f"features.tables {tables}")
+        for s in self.features.sparse:
+            if s.pooling not in ("sum", "mean"):  # anything else was pooled as a sum
+                raise ValueError(f"sparse feature {s.name}: pooling must be 'sum' or 'mean', got {s.pooling!r}")
         for t in self.tiers:
+            _at_least(1, f"tier {t.name}: ", dim=t.dim, num_heads=t.num_heads, max_seq_len=t.max_seq_len,
+                      num_seeds=t.num_seeds, num_recent=t.num_recent, block_size=t.block_size)
+            _at_least(0, f"tier {t.name}: ", num_summary_tokens=t.num_summary_tokens)
+            if not t.event_types:
+                raise ValueError(f"tier {t.name}: event_types must name at least one event type")
             if t.dim % t.num_heads or t.head_dim % 2:
                 raise ValueError(f"tier {t.name}: dim ({t.dim}) must split into {t.num_heads} heads of even width")
             if t.block_align not in ("start", "end"):  # gem.ops.common.BLOCK_ALIGNS; this module stays torch-free
@@ -205,6 +238,18 @@ class KunlunConfig:
         if not self.compskip:
             return True, True
         return index % 2 == 0, index % 2 == 1
+
+
+def _at_least(low: int, where: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"{where}{name} must be an integer >= {low}, got {value!r}")
+
+
+def _unique(field: str, names: list[str]) -> None:
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # modules and outputs are keyed by name: a second entry silently replaced the first
+        raise ValueError(f"{field} must have distinct names; repeated: {dup}")
 
 
 # --------------------------------------------------------------------------- presets

@@ -37,6 +37,7 @@ from gem.modules.mowe import MixtureOfWukongExperts
 from gem.modules.oneseq import OneSeqEncoder, TierBatch
 from gem.modules.pffn import PersonalizedFFN, TokenFFN
 from gem.ops import jagged_last_k
+from gem.ops.activations import check_activations
 
 
 class WeightGen(nn.Module):
@@ -161,6 +162,10 @@ class KunlunModel(JaggedModule):
 
     def __init__(self, cfg: KunlunConfig):
         super().__init__()
+        try:  # here, not in the torch-free config: the names live in gem.ops.activations
+            check_activations(cfg.gdpa_activation, 1)
+        except ValueError as e:
+            raise ValueError(f"gdpa_activation: {e}") from None
         self.cfg = cfg
         d = cfg.dim
         self.embeddings = FeatureEmbeddings(cfg)
