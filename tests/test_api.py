@@ -250,6 +250,8 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
         # tp given: 4 ranks / tp 2 = 2 data ranks x 8 = 16, not 32
         ({"batchSize": 8, "deepspeed": {"train_batch_size": 32}},
          {"numNodes": 1, "procsPerNode": 4, "plan": {"tp": 2}}, "train_batch_size"),
+        # tp chosen by the plan the operator renders: 1 for the tiny model (4 data ranks x 8 = 32)
+        ({"batchSize": 8, "deepspeed": {"train_batch_size": 16}}, {"numNodes": 1, "procsPerNode": 4}, "train_batch_size"),
         ({"precision": "bf16", "deepspeed": {"bf16": {"enabled": False}}}, {}, "bf16"),
         ({"precision": "mxfp8", "deepspeed": {"bf16": {"enabled": False}}}, {}, "bf16"),
         ({"precision": "fp32", "deepspeed": {"bf16": {"enabled": True}}}, {}, "bf16"),
@@ -261,9 +263,12 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
 def test_deepspeed_overrides_that_contradict_the_spec_are_not_runnable(training, parallelism, key):
     from gem.api.validation import runnable_problems
 
-    for obj in (_gemt(training=training, parallelism=parallelism),
-                parse_object({"kind": "LoopFMDistill", "metadata": {"name": "s"},
-                              "spec": {"teacher": {"checkpoint": "/c"}, "training": training, "parallelism": parallelism}})):
+    objs = [_gemt(training=training, parallelism=parallelism)]
+    if "plan" in parallelism or "train_batch_size" not in training["deepspeed"]:
+        # a distillation's trainer plans with its student's real shape: its tp is known when given
+        objs.append(parse_object({"kind": "LoopFMDistill", "metadata": {"name": "s"}, "spec": {
+            "teacher": {"checkpoint": "/c"}, "training": training, "parallelism": parallelism}}))
+    for obj in objs:
         problems = runnable_problems(obj)
         assert len(problems) == 1 and problems[0].startswith(f"spec.training.deepspeed.{key}: "), problems
         assert "differs from the trainer's" in problems[0]
@@ -280,9 +285,8 @@ def test_deepspeed_overrides_that_contradict_the_spec_are_not_runnable(training,
             "wall_clock_breakdown": True}}, {"numNodes": 2}),
         ({"precision": "mxfp8", "deepspeed": {"bfloat16": {"enabled": True}}}, {}),
         ({"deepspeed": {"bf16": {"enabled": False}, "fp16": {}}}, {}),
-        # the automatic plan may pick tp 2 or 4 here: the trainer checks the exact value at setup
+        # the plan the operator renders: tp 1 for the tiny model
         ({"batchSize": 8, "deepspeed": {"train_batch_size": 32}}, {"numNodes": 1, "procsPerNode": 4}),
-        ({"batchSize": 8, "deepspeed": {"train_batch_size": 16}}, {"numNodes": 1, "procsPerNode": 4}),
         ({"batchSize": 8, "deepspeed": {"train_batch_size": 16}}, {"numNodes": 1, "procsPerNode": 4, "plan": {"tp": 2}}),
         ({"batchSize": 8, "deepspeed": {"train_batch_size": 16, "parallelPlan": {"tp": 2}}},
          {"numNodes": 1, "procsPerNode": 4}),
@@ -296,6 +300,36 @@ def test_deepspeed_overrides_that_agree_with_the_spec_are_runnable(training, par
     worse = {**training, "deepspeed": {**training["deepspeed"], "gradient_accumulation_steps": 2}}
     problems = runnable_problems(_gemt(training=worse, parallelism=parallelism))
     assert [p.split(": ", 1)[0] for p in problems] == ["spec.training.deepspeed.gradient_accumulation_steps"]
+
+
+def test_train_batch_size_is_checked_against_the_plan_the_operator_renders():
+    """With tp left to the plan, admission accepted any global batch some tp could give (here 8, 16 or
+    32): the pods then exited 2 at setup. It now plans as the operator does; tp is chosen inside a node,
+    so the node pool and placement (here two racks, Kueue) do not change it."""
+    from gem.api.validation import runnable_problems
+    from gem.parallel.job import build_topology, plan_job, spec_hints
+    from gem.parallel.plan import DEEPSPEED_DIMS
+    from gem.parallel.topology import NodePool
+
+    wide = {"preset": "large", "embeddingDim": 2048}  # wide enough for tp
+    par = {"numNodes": 2, "procsPerNode": 4, "topology": {"levels": ["rack"], "nodesPerDomain": {"rack": 1}}}
+    spec = _gemt(model=wide, parallelism=par, training={"batchSize": 8}).spec
+    job = plan_job(spec.parallelism, spec.training, topology=build_topology(spec.parallelism, NodePool()),
+                   mode="kueue", hints=spec_hints(spec), allowed=DEEPSPEED_DIMS)
+    assert job.plan.tp == 2 and job.plan.data_world == 4
+    ok = _gemt(model=wide, parallelism=par, training={"batchSize": 8, "deepspeed": {"train_batch_size": 32}})
+    assert runnable_problems(ok) == []
+    for value in (16, 64):
+        bad = _gemt(model=wide, parallelism=par, training={"batchSize": 8, "deepspeed": {"train_batch_size": value}})
+        assert runnable_problems(bad) == [f"spec.training.deepspeed.train_batch_size: {value} differs from the "
+                                          "trainer's 32; remove it: it is spec.training.batchSize x the data-parallel ranks"]
+    # a distillation's trainer plans with its student's real shape (no plan from the operator): the
+    # trainer checks the exact value at setup, admission only refuses one no tp could give
+    distill = {"kind": "LoopFMDistill", "metadata": {"name": "s"}, "spec": {
+        "teacher": {"checkpoint": "/c"}, "parallelism": par, "training": {"batchSize": 8, "deepspeed": {}}}}
+    for value, refused in ((16, False), (24, True)):
+        distill["spec"]["training"]["deepspeed"] = {"train_batch_size": value}
+        assert bool(runnable_problems(parse_object(distill))) == refused
 
 
 # DeepSpeed's other precision keys (what DeepSpeed 0.19 does with each: gem/api/validation.py). Before,

@@ -199,6 +199,29 @@ def _given_tp(spec: Any) -> int | None:
     return tp if tp is not None and tp >= 1 else None
 
 
+def _planned_data_world(spec: Any) -> int | None:
+    """The data-parallel ranks of the plan the operator renders for a GEMTraining (gem_operator/
+    parallel.py: plan_job with spec_hints), None where the spec alone does not fix them. Of the plan
+    they depend on tp only (world / tp), which auto_plan chooses inside one node from the node's
+    size, the given degrees and the model's shape, never from the node pool or the placement: this
+    plan on the bare node shape has the operator's tp. A distillation's trainer plans with its
+    student's real shape (the operator renders it no plan): None, as where planning fails (the
+    operator refuses that plan with its own message)."""
+    if getattr(spec, "model", None) is None:
+        return None
+    from gem.parallel.job import choose_plan, spec_hints
+    from gem.parallel.plan import DEEPSPEED_DIMS
+    from gem.parallel.topology import Topology
+
+    par = spec.parallelism
+    try:
+        topology = Topology.build(procs_per_node=par.procs_per_node, num_nodes=par.num_nodes)
+        plan, _, _, _ = choose_plan(par, spec.training, topology, hints=spec_hints(spec), allowed=DEEPSPEED_DIMS)
+    except (TypeError, ValueError):  # PlanError, TopologyError
+        return None
+    return plan.data_world
+
+
 def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
     """deepspeed_override_problems against what the spec alone derives, at its world size (numNodes x
     procsPerNode: what the operator and the local backend launch)."""
@@ -207,10 +230,13 @@ def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
         return []
     world = spec.parallelism.num_nodes * spec.parallelism.procs_per_node
     tp = _given_tp(spec)
-    derived = derived_deepspeed_keys(spec.training, data_world=world // tp if tp and world % tp == 0 else world)
-    if tp is None or world % tp:
-        # The data-parallel ranks are world / tp, and the plan picks tp (or refuses a tp that does
-        # not divide the world, with its own message): refuse only a global batch no tp could give;
+    data_world = _planned_data_world(spec) if "train_batch_size" in overrides else None
+    if data_world is None and tp is not None and world % tp == 0:
+        data_world = world // tp
+    derived = derived_deepspeed_keys(spec.training, data_world=data_world or world)
+    if data_world is None:
+        # The data-parallel ranks are world / tp, and the trainer's plan picks tp (or refuses a tp that
+        # does not divide the world, with its own message): refuse only a global batch no tp could give;
         # the trainer compares the exact value with its plan at setup.
         value, batch = overrides.get("train_batch_size"), spec.training.batch_size
         if isinstance(value, int) and value > 0 and value % batch == 0 and world % (value // batch) == 0:
