@@ -450,3 +450,39 @@ def test_an_edit_of_a_finished_resource_is_reported_not_applied(cluster, kind, p
     job = cluster.get(JOBS, "PyTorchJob", job_name)
     assert (job is None) != job_left
     assert job is None or not job["spec"]["runPolicy"].get("suspend")
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def transitions(kind: str, phase: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("gem_operator_phase_transitions_total", {"kind": kind, "phase": phase}) or 0.0
+
+
+def test_each_phase_change_is_counted_once_whoever_computes_it_and_however_often(cluster):
+    # Before the fix the counter was bumped where a reconcile computed a mirrored phase: twice for
+    # a reconcile retried after its status write failed (or computed by the job event and the timer
+    # at once), and never for phases set elsewhere (Created by the creation, Invalid, JobDeleted).
+    from gem_operator import metrics
+
+    before = {p: transitions("GEMTraining", p) for p in ("Created", "Running", "Invalid")}
+    body = stored(cluster, "GEMTraining", "counted")
+    uid = body["metadata"]["uid"]
+    metrics.observe_phase("GEMTraining", uid, "Pending")  # the watch: ADDED, no status yet
+    created = reconcile_stored(cluster, "GEMTraining", "counted")
+    metrics.observe_phase("GEMTraining", uid, created["phase"])
+    cluster.patch_status(JOBS, "PyTorchJob", "counted-train", {"conditions": [job_condition("Created", "True", 0),
+                                                                               job_condition("Running", "True", 1)]})
+    stale = cluster.get(API, "GEMTraining", "counted")
+    reconcile.reconcile("GEMTraining", stale, LOG)  # its status write refused (409) ...
+    running = reconcile_stored(cluster, "GEMTraining", "counted")  # ... and retried
+    for phase in (running["phase"], running["phase"], "Running"):  # and every later write, a re-list
+        metrics.observe_phase("GEMTraining", uid, phase)
+    invalid = stored(cluster, "GEMTraining", "broken", parallelism={"numNodes": 1, "procsPerNode": 8}, resources={"gpusPerNode": 4})
+    metrics.observe_phase("GEMTraining", invalid["metadata"]["uid"], "Pending")
+    metrics.observe_phase("GEMTraining", invalid["metadata"]["uid"], reconcile_stored(cluster, "GEMTraining", "broken")["phase"])
+    metrics.observe_phase("GEMTraining", uid, None)  # deleted
+    after = {p: transitions("GEMTraining", p) for p in before}
+    assert {p: after[p] - before[p] for p in before} == {"Created": 1, "Running": 1, "Invalid": 1}

@@ -27,12 +27,20 @@ def observe_reconcile(kind: str, result: str, seconds: float) -> None:
 
 
 def observe_phase(kind: str, uid: str, phase: str | None) -> None:
-    """Record a resource's phase as the watch reports it; None forgets a deleted resource."""
+    """Record a resource's phase as the watch reports it; None forgets a deleted resource.
+
+    A change from the phase last seen counts one transition: the watch sees each stored change
+    once, whichever writer made it and however often a reconcile computed it (retries, the job
+    event and the timer at once). The first sighting of a resource is no transition.
+    """
     with _lock:
         if phase is None:
             _phases.pop(uid, None)
-        else:
-            _phases[uid] = (kind, phase)
+            return
+        last = _phases.get(uid)
+        _phases[uid] = (kind, phase)
+    if last is not None and last[1] != phase:
+        TRANSITIONS.labels(kind, phase).inc()
 
 
 class _PhaseCollector:

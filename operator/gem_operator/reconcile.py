@@ -16,7 +16,7 @@ import pydantic
 
 from gem.api import render, status as st
 from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, CheckpointSpec, Phase
-from gem_operator import kube, metrics, parallel
+from gem_operator import kube, parallel
 from gem_operator.settings import CONFIG
 from gem_operator.validation import InvalidSpec, parse_resource
 
@@ -501,7 +501,6 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}",
                key=key)
         logger.info("phase %s -> %s", status.get("phase"), phase)
-        metrics.TRANSITIONS.labels(kind, phase).inc()
     out["phase"], out["message"] = phase, message
     return out
 
