@@ -710,3 +710,49 @@ def test_logs_previous_reads_the_container_before_a_restart(client, kubeapi, tmp
 
     with pytest.raises(ValidationError, match=r"logs/<pod>\.log\.previous"):
         GEMClient(LocalBackendConfig(root=str(tmp_path / "home"))).logs("crashy", previous=True)
+
+
+@pytest.fixture
+def web_page(tmp_path):
+    """A kubeconfig whose server is a web page (a UI, an SSO proxy's sign-in page): 200, HTML."""
+    import http.server
+
+    from tests.kubeapi import write_kubeconfig
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            page = b"<html>\n<body>Sign in to continue</body>\n</html>\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        do_POST = do_PATCH = do_DELETE = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield write_kubeconfig(tmp_path / "web", f"http://127.0.0.1:{server.server_address[1]}")
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_answer_that_is_not_the_kubernetes_api_is_a_backend_error(web_page):
+    # Before: AttributeError ('str' object has no attribute 'get') from every call, and delete
+    # reported success.
+    client = GEMClient(KubernetesBackendConfig(kubeconfig=str(web_page)))
+    host = client.backend.api_client.configuration.host
+    calls = {"get": lambda: client.get("x"), "list": lambda: client.list(), "pods": lambda: client.pods("x"),
+             "wait": lambda: client.wait("x", timeout=5), "logs": lambda: client.logs("x", timeout=5),
+             "submit": lambda: client.submit(manifest("x")), "delete": lambda: client.delete("x"),
+             "update": lambda: client.suspend("x")}
+    for verb, call in calls.items():
+        with pytest.raises(BackendError) as info:
+            call()
+        assert f"{host} answered with something other than the Kubernetes API's JSON " \
+               "('<html> <body>Sign in to continue</body> </html>'); is it the cluster's API server?" in str(info.value), verb
+    r = CliRunner().invoke(gemctl_app, ["delete", "gt", "x", "--kubeconfig", str(web_page)])
+    assert r.exit_code == 5 and "answered with something other than the Kubernetes API's JSON" in r.output, r.output

@@ -105,9 +105,23 @@ class KubernetesBackend(Backend):
               fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         kwargs.setdefault("_request_timeout", _timeouts(None))
         try:
-            return fn(*args, **kwargs)
+            answer = fn(*args, **kwargs)
         except (ApiException, *CONNECTION_ERRORS) as e:
             raise api_error(e, verb, kind, namespace, name) from None
+        return self._parsed(answer, verb, kind, namespace, name)
+
+    def _parsed(self, answer: T, verb: str, kind: str | None, ns: str | None, name: str | None) -> T:
+        """`answer`, unless it is a text: the client hands back, as it was, a body that is not JSON,
+        which only something other than the API server sends (a wrong address, a sign-in page)."""
+        if isinstance(answer, str):
+            text = " ".join(answer.split())
+            raise BackendError(
+                f"failed to {verb} {describe(kind, ns, name)}: {self.api_client.configuration.host} answered with "
+                f"something other than the Kubernetes API's JSON ({text[:80]!r}); is it the cluster's API server? "
+                "Check the server of your kubeconfig's context, or pick another with --kubeconfig/--context",
+                kind=kind, namespace=ns, name=name,
+            )
+        return answer
 
     def _ride_out(self, request: Callable[[tuple[float, float]], T], verb: str, kind: str, ns: str, name: str,
                   *, deadline: float | None, timed_out: Callable[[], NoReturn], retry: bool = True) -> T:
@@ -122,9 +136,11 @@ class KubernetesBackend(Backend):
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out()
             try:
-                return request(_timeouts(deadline))
+                answer = request(_timeouts(deadline))
             except (ApiException, *CONNECTION_ERRORS) as e:
                 error = e
+            else:
+                return self._parsed(answer, verb, kind, ns, name)
             if isinstance(error, ApiException) and error.status not in _TRANSIENT:
                 raise api_error(error, verb, kind, ns, name) from None
             if deadline is not None and time.monotonic() >= deadline:
@@ -179,6 +195,7 @@ class KubernetesBackend(Backend):
                 raise api_error(e, "list", k, where, None) from None
             except CONNECTION_ERRORS as e:
                 raise api_error(e, "list", k, where, None) from None
+            body = self._parsed(body, "list", k, where, None)
             out.extend(from_wire(item) for item in body.get("items") or [])
         return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
 
@@ -626,12 +643,16 @@ def _new_container(pod: dict[str, Any], after: tuple[Any, ...]) -> bool:
     return bool(state.get("running") or state.get("terminated")) and _container_key(pod) != after
 
 
-def _json(resp: Any) -> dict[str, Any]:
+def _json(resp: Any) -> Any:
+    """The JSON of a raw answer; its text when it is not JSON, as the client's own deserializer
+    gives it (`KubernetesBackend._parsed` tells what that means)."""
     import json
 
     try:
-        return json.loads(resp.data)
-    except (TypeError, ValueError) as e:
-        raise BackendError(f"unreadable answer from the Kubernetes API: {e}") from None
+        data = resp.data
     finally:
         resp.release_conn()
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
