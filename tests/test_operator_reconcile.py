@@ -486,3 +486,17 @@ def test_each_phase_change_is_counted_once_whoever_computes_it_and_however_often
     metrics.observe_phase("GEMTraining", uid, None)  # deleted
     after = {p: transitions("GEMTraining", p) for p in before}
     assert {p: after[p] - before[p] for p in before} == {"Created": 1, "Running": 1, "Invalid": 1}
+
+
+def test_a_restarting_job_is_a_warning_like_the_training_operators_own_event(cluster):
+    # Before the fix JobRestarting was Normal, while training-operator itself posts
+    # PyTorchJobRestarting as a Warning: replicas failed, `kubectl get events --field-selector
+    # type=Warning` should show it.
+    stored(cluster, "GEMTraining", "back")
+    reconcile_stored(cluster, "GEMTraining", "back")
+    cluster.patch_status(JOBS, "PyTorchJob", "back-train", {"conditions": [
+        job_condition("Created", "True", 0),
+        job_condition("Restarting", "True", 2, message="PyTorchJob back-train is restarting because 1 Master replica(s) failed.")]})
+    assert reconcile_stored(cluster, "GEMTraining", "back")["phase"] == "Restarting"
+    assert {e["reason"]: e["type"] for e in cluster.events(involved_name="back")} == {
+        "JobCreated": "Normal", "JobRestarting": "Warning"}

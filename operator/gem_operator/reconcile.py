@@ -498,8 +498,9 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
         # it first. Any other change (back to Created included) by the time of the condition that made it.
         first = phase == Phase.created.value and status.get("phase") in _BEFORE_JOB
         key = uid if first else f"{uid}/{(cond or {}).get('lastTransitionTime')}"
-        _event(parent, "Warning" if phase == Phase.failed.value else "Normal", f"Job{phase}", message or f"{kind} is {phase}",
-               key=key)
+        # Warning where replicas failed, as training-operator's own PyTorchJobFailed/Restarting Events
+        warning = phase in (Phase.failed.value, Phase.restarting.value)
+        _event(parent, "Warning" if warning else "Normal", f"Job{phase}", message or f"{kind} is {phase}", key=key)
         logger.info("phase %s -> %s", status.get("phase"), phase)
     out["phase"], out["message"] = phase, message
     return out
