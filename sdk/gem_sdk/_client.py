@@ -559,7 +559,7 @@ class GEMClient:
 
         threading.Thread(target=run, daemon=True, name="metrics").start()
         try:
-            ok, value = done.get(timeout=timeout)
+            ok, value = done.get(timeout=max(0.0, timeout))  # a negative one has passed, as for wait
         except queue.Empty:
             kind, namespace, name = resolve_ref(name, kind, namespace, self.default_namespace)
             raise WaitTimeoutError(
