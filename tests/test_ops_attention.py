@@ -154,3 +154,20 @@ def test_dispatchers_reject_bad_shapes():
         block_attention(q, k, v, make_offsets([10]), block_size=4, shift=4)
     with pytest.raises(ValueError, match="align"):
         block_attention(q, k, v, make_offsets([10]), block_size=4, align="middle")
+
+
+def test_time_rotary_is_exact_for_large_and_negative_phases():
+    """Phases given in float64 far from 0 (raw seconds, unix times, negative deltas): the tiled
+    kernel once rounded them to float32 first (a unix time moved by up to 64 rad) and disagreed
+    with the reference by up to 5.9; scores still depend on phase differences only."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, generator=g)
+    small = (torch.rand(8, generator=g, dtype=torch.float64) - 0.5) * 100
+    for offset in (1e6, -1e6, 1.7e9):
+        phase = small + offset
+        want = time_rotary(x, phase, kernel=Kernel.PYTORCH)
+        torch.testing.assert_close(time_rotary(x, phase, kernel=Kernel.TILED), want, atol=1e-5, rtol=1e-5)
+        q, k = time_rotary(x, phase), time_rotary(x.flip(0), phase)
+        q0, k0 = time_rotary(x, small), time_rotary(x.flip(0), small)
+        torch.testing.assert_close(torch.einsum("ihd,jhd->hij", q, k), torch.einsum("ihd,jhd->hij", q0, k0),
+                                   atol=1e-4, rtol=1e-4)

@@ -7,10 +7,15 @@ import torch
 
 def rotary_cos_sin(phase: torch.Tensor, head_dim: int, *, base: float, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of phase · ω_i, each [ΣL, 1, dh/2]; compute once per batch, reuse in every layer."""
+    """cos, sin of phase · ω_i, each [ΣL, 1, dh/2]; compute once per batch, reuse in every layer.
+
+    The angles are float64 (as in the reference): in float32 a float64 phase of 1e6 (e.g. seconds)
+    was off by up to 0.03 rad and a unix time by up to 64 rad. ΣL x dh/2 values once per batch: cheap.
+    """
     half = head_dim // 2
-    omega = base ** (-torch.arange(half, dtype=torch.float32, device=phase.device) * 2.0 / head_dim)
-    angle = phase.float()[:, None] * omega[None, :]  # [ΣL, dh/2]
+    wide = torch.float32 if phase.device.type == "mps" else torch.float64  # MPS has no float64
+    omega = base ** (-torch.arange(half, dtype=wide, device=phase.device) * 2.0 / head_dim)
+    angle = phase.to(wide)[:, None] * omega[None, :]  # [ΣL, dh/2]
     return angle.cos().to(dtype)[:, None, :], angle.sin().to(dtype)[:, None, :]
 
 
