@@ -116,7 +116,12 @@ def test_chart_metadata_matches_the_project() -> None:
     assert meta["appVersion"] == project["version"], "Chart.yaml appVersion must follow pyproject's version"
 
 
-@pytest.mark.parametrize("values", [None, NAMESPACED], ids=["default", "namespaced"])
+@pytest.mark.parametrize(
+    "values",
+    [None, NAMESPACED, {"solaris": {"enabled": True, "checkpoint": {"claimName": "c", "path": "ns/fm/step-00000001"},
+                                    "existingConfigMap": {"name": "world"}}}],
+    ids=["default", "namespaced", "solaris"],
+)
 def test_lint_is_clean(values: dict[str, Any] | None) -> None:
     report = helm.lint(str(CHART_DIR), values, strict=True, namespace=NAMESPACE, kube_version="v1.29.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
@@ -609,3 +614,175 @@ def test_notes_upgrade_commands_work_on_a_helm_installed_cluster() -> None:
     assert "--reset-then-reuse-values" in upgrade
     docs = (ROOT / "docs" / "operations.md").read_text()
     assert "kubectl apply --server-side --force-conflicts -f helm/gem-platform/crds/" in docs
+
+
+# --------------------------------------------------------------------------- Solaris (gem serve-precompute)
+
+SAMPLE_TEXT = (ROOT / "manifests" / "samples" / "gemtraining.yaml").read_text()
+SOLARIS_CHECKPOINT = {"claimName": "gem-checkpoints", "path": "team-a/gem-sample/step-00000400"}
+#: The three ways to give `--config`: the manifest as a mapping, as its text (--set-file), or a ConfigMap of yours.
+SOLARIS_CONFIGS = {
+    "mapping": {"config": yaml.safe_load(SAMPLE_TEXT)},
+    "text": {"config": SAMPLE_TEXT},
+    "existingConfigMap": {"existingConfigMap": {"name": "world", "key": "gem.yaml"}},
+}
+
+
+def solaris_values(config: str = "mapping", **extra: Any) -> dict[str, Any]:
+    return {"solaris": {"enabled": True, "checkpoint": SOLARIS_CHECKPOINT, **SOLARIS_CONFIGS[config], **extra}}
+
+
+def component(docs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == name]
+
+
+def solaris_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (dep,) = by_kind(component(docs, "solaris"), "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_solaris_is_off_by_default() -> None:
+    docs = render()
+    assert not component(docs, "solaris")
+    assert "Solaris" not in notes()
+
+
+def test_a_release_whose_values_lack_solaris_still_renders(tmp_path: Path) -> None:
+    """`helm upgrade --reuse-values` renders the new chart with the old chart's defaults, which have no
+    `solaris` section: the templates must read that as off, not fail on a nil map."""
+    old = tmp_path / "gem-platform"
+    shutil.copytree(CHART_DIR, old)
+    values = yaml.safe_load((old / "values.yaml").read_text())
+    del values["solaris"]
+    (old / "values.yaml").write_text(yaml.safe_dump(values))
+    out = helm.Chart.load(str(old)).render(None, name=RELEASE, namespace=NAMESPACE, is_install=False, is_upgrade=True)
+    docs = [d for path, text in out.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    assert one(docs, "Deployment")["metadata"]["name"] == RELEASE and not component(docs, "solaris")
+
+
+@pytest.mark.parametrize(
+    ("config", "namespace", "service_monitor"),
+    list(itertools.product(SOLARIS_CONFIGS, ["", "team-a"], [False, True])),
+)
+def test_every_solaris_combination_renders(config: str, namespace: str, service_monitor: bool) -> None:
+    values = {**solaris_values(config, namespace=namespace), "metrics": {"serviceMonitor": {"enabled": service_monitor}}}
+    docs = render(values)
+    validate_builtin(docs)
+    keys = [(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), "duplicate objects"
+    ns = namespace or NAMESPACE
+    solaris = component(docs, "solaris")
+    kinds = sorted(d["kind"] for d in solaris)
+    expected = ["Deployment", "Service"] + (["ConfigMap"] if config != "existingConfigMap" else [])
+    assert kinds == sorted(expected + (["ServiceMonitor"] if service_monitor else [])), kinds
+    assert all(d["metadata"]["namespace"] == ns for d in solaris)
+
+    (dep,), (svc,) = by_kind(solaris, "Deployment"), by_kind(solaris, "Service")
+    pod = dep["spec"]["template"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    # the operator's Service and ServiceMonitor select its own pod only, and the other way round
+    operator_pod = one(component(docs, "operator"), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not svc["spec"]["selector"].items() <= operator_pod.items()
+    for op_svc in by_kind(component(docs, "operator"), "Service"):
+        assert not op_svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+    # the config volume is the ConfigMap the chart wrote, or the user's, with the key asked for
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    cm_ref = volumes["config"]["configMap"]
+    if config == "existingConfigMap":
+        assert cm_ref == {"name": "world", "items": [{"key": "gem.yaml", "path": "config.yaml"}]}
+    else:
+        (cm,) = by_kind(solaris, "ConfigMap")
+        assert cm_ref == {"name": cm["metadata"]["name"], "items": [{"key": "config.yaml", "path": "config.yaml"}]}
+        assert yaml.safe_load(cm["data"]["config.yaml"]) == yaml.safe_load(SAMPLE_TEXT)
+        assert pod["metadata"]["annotations"]["checksum/config"]  # a new config restarts the server
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "gem-checkpoints", "readOnly": True}
+
+    if service_monitor:
+        (sm,) = by_kind(solaris, "ServiceMonitor")
+        assert sm["spec"]["namespaceSelector"] == {"matchNames": [ns]}
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        (endpoint,) = sm["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]} and endpoint["path"] == "/metrics"
+        (op_sm,) = by_kind(component(docs, "operator"), "ServiceMonitor")
+        assert not op_sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("config", ["mapping", "text"])
+def test_solaris_runs_what_gem_serve_precompute_accepts(config: str, tmp_path: Path, monkeypatch) -> None:
+    """The container's command line goes through `gem`'s own parser; the files it names are where the
+    chart mounts them, and the config is a manifest serve-precompute serves."""
+    from gem import cli
+    from gem.solaris.service import require_synthetic_world
+
+    docs = render(solaris_values(config, port=9000, ttlSeconds=3600))
+    c = solaris_container(docs)
+    (cm,) = by_kind(component(docs, "solaris"), "ConfigMap")
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert c["command"] == ["gem"] and c["args"][0] == "serve-precompute"
+    flags = dict(a.split("=", 1) for a in c["args"][1:])
+    assert flags["--config"] == f"{mounts['config']['mountPath']}/config.yaml"
+    assert flags["--checkpoint"] == f"{mounts['checkpoints']['mountPath']}/{SOLARIS_CHECKPOINT['path']}"
+    assert mounts["checkpoints"]["readOnly"] and mounts["config"]["readOnly"]
+
+    # what the pod would read at /etc/gem/solaris/config.yaml, read here by the command itself
+    local_config = tmp_path / "config.yaml"
+    local_config.write_text(cm["data"]["config.yaml"])
+    argv = [a if not a.startswith("--config=") else f"--config={local_config}" for a in c["args"]]
+    seen = {}
+
+    def serve(manifest: Any, args: Any) -> int:
+        require_synthetic_world(manifest.spec.data)
+        seen.update(vars(args))
+        return 0
+
+    monkeypatch.setattr(cli, "_serve_precompute", serve)
+    assert cli.main(argv) == 0
+    assert seen["host"] == "0.0.0.0", "the default 127.0.0.1 is unreachable for the probes and the Service"
+    assert seen["port"] == 9000 == c["ports"][0]["containerPort"] and c["ports"][0]["name"] == "http"
+    assert seen["ttl"] == 3600.0 and seen["checkpoint"] == flags["--checkpoint"]
+
+
+def test_solaris_probes_restarts_and_security() -> None:
+    docs = render(solaris_values())
+    c = solaris_container(docs)
+    pod = one(by_kind(component(docs, "solaris"), "Deployment"), "Deployment")["spec"]["template"]["spec"]
+    # /healthz is the one health endpoint: 503 after 5 failed rounds in a row, so liveness restarts the pod
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    # liveness waits for the start (model load, segments, warm-up); the startup probe allows minutes
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300
+    # SIGTERM lets the round in flight finish: more than Kubernetes' default 30 s
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert pod["automountServiceAccountToken"] is False
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and pod["securityContext"]["runAsUser"] == 10001
+    (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert env_of(c)["HOME"] == "/tmp"
+    assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+
+    tuned = solaris_values(terminationGracePeriodSeconds=300, livenessProbe=None)
+    c = solaris_container(render(tuned))
+    assert "livenessProbe" not in c and c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert by_kind(component(render(tuned), "solaris"), "Deployment")[0]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] == 300
+
+
+def test_solaris_image_is_the_trainer_image_unless_set() -> None:
+    assert solaris_container(render(solaris_values()))["image"] == "ghcr.io/gem-platform/trainer:0.1.0"
+    trainer = {"trainer": {"image": {"repository": "registry.example/trainer", "tag": "9"}}}
+    assert solaris_container(render({**solaris_values(), **trainer}))["image"] == "registry.example/trainer:9"
+    digest = "sha256:" + "b" * 64
+    own = solaris_values(image={"repository": "registry.example/solaris", "digest": digest, "pullPolicy": "Always"})
+    c = solaris_container(render(own))
+    assert c["image"] == f"registry.example/solaris@{digest}" and c["imagePullPolicy"] == "Always"
+
+
+def test_solaris_notes_say_where_it_serves() -> None:
+    text = notes(solaris_values(namespace="team-a"))
+    assert "http://gem-platform-solaris.team-a.svc:8080/lookup" in text
+    assert "kubectl -n team-a rollout status deploy/gem-platform-solaris" in text and "/healthz" in text

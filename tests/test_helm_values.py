@@ -94,6 +94,27 @@ BAD_VALUES = [
     # a selector label would render twice in the pod template and stop matching the Deployment's selector
     ({"operator": {"podLabels": {"app.kubernetes.io/component": "ctl"}}}, "/operator/podLabels"),
     ({"nodePools": {"GPU": {}}}, "invalid propertyName 'GPU'"),
+    # Solaris: enabled needs the checkpoint it serves
+    ({"solaris": {"enabled": True}}, "/solaris/checkpoint/claimName"),
+    ({"solaris": {"enabled": True, "checkpoint": {"claimName": "c"}}}, "/solaris/checkpoint/path"),
+    ({"solaris": {"checkpoint": {"path": "/var/lib/gem/checkpoints/ns/fm/step-1"}}}, "/solaris/checkpoint/path"),  # inside the claim
+    ({"solaris": {"checkpoint": {"path": "ns/../../etc"}}}, "/solaris/checkpoint/path"),
+    ({"solaris": {"checkpoint": {"claimName": "Gem_Checkpoints"}}}, "/solaris/checkpoint/claimName"),
+    ({"solaris": {"config": {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "w"},
+                             "spec": {"data": {"source": "parquet"}}}}}, "/solaris/config/spec/data/source"),
+    ({"solaris": {"config": {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "w"},
+                             "spec": {"data": {"sources": [{"name": "a"}]}}}}}, "/solaris/config/spec/data/sources"),
+    ({"solaris": {"config": {"kind": "GEMTraining", "spec": {}}}}, "/solaris/config"),  # no apiVersion, metadata
+    ({"solaris": {"config": ["not", "a", "manifest"]}}, "/solaris/config"),
+    ({"solaris": {"port": 0}}, "/solaris/port"),
+    ({"solaris": {"ttlSeconds": 0}}, "/solaris/ttlSeconds"),
+    ({"solaris": {"namespace": "Team_A"}}, "/solaris/namespace"),
+    ({"solaris": {"existingConfigMap": {"key": "a/b"}}}, "/solaris/existingConfigMap/key"),
+    ({"solaris": {"terminationGracePeriodSeconds": 0}}, "/solaris/terminationGracePeriodSeconds"),
+    ({"solaris": {"securityContext": {"readOnlyRootFilesystem": False}}}, "/solaris/securityContext/readOnlyRootFilesystem"),
+    ({"solaris": {"podSecurityContext": {"runAsUser": 0}}}, "/solaris/podSecurityContext/runAsUser"),
+    ({"solaris": {"livenessProbe": {"path": "/other"}}}, "/solaris/livenessProbe"),  # the path is /healthz, not a value
+    ({"solaris": {"workers": 4}}, "workers"),  # serve-precompute has no such flag
     ({"nodePools": {"gpu": {"nodeSelector": {"a": 1}}}}, "/nodePools/gpu/nodeSelector/a"),
     ({"nodePools": {"gpu": {"tolerations": [{"operator": "Maybe"}]}}}, "/nodePools/gpu/tolerations/0/operator"),
 ]
@@ -106,6 +127,10 @@ def test_bad_values_are_rejected(values: dict[str, Any], where: str) -> None:
     assert where in str(e.value), str(e.value)
 
 
+SOLARIS_ON = {"solaris": {"enabled": True, "checkpoint": {"claimName": "gem-checkpoints", "path": "team-a/fm/step-00000400"}}}
+WORLD = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "fm"},
+         "spec": {"data": {"source": "synthetic", "synthetic": {"seed": 0}}}}
+
 # Mistakes the schema cannot see (they relate two values); the templates refuse them.
 BAD_COMBINATIONS = [
     ({"operator": {"nodePool": "system"}}, 'operator.nodePool "system" is not a key of nodePools'),
@@ -113,6 +138,18 @@ BAD_COMBINATIONS = [
     ({"metrics": {"port": 8080}}, "operator.health.port and metrics.port are both 8080"),
     ({"metrics": {"port": 8081}}, "operator.readiness.port and metrics.port are both 8081"),
     ({"operator": {"readiness": {"port": 8080}}}, "operator.readiness.port and operator.health.port are both 8080"),
+    # Solaris' --config: exactly one of the manifest and a ConfigMap holding it
+    (SOLARIS_ON, "solaris.enabled needs the manifest of the world it serves"),
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": WORLD, "existingConfigMap": {"name": "world"}}},
+     "solaris.config and solaris.existingConfigMap.name are both set"),
+    # the text form (--set-file) passes no schema: the template checks what serve-precompute would refuse
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": "kind: [GEMTraining"}}, "solaris.config is not the YAML of a manifest"),
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": "just text"}}, "solaris.config is not the YAML of a manifest"),
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": "metadata: {name: fm}"}}, "solaris.config holds no manifest"),
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": yaml.safe_dump({**WORLD, "spec": {"data": {"source": "parquet"}}})}},
+     'spec.data.source is "parquet"'),
+    ({"solaris": {**SOLARIS_ON["solaris"], "config": yaml.safe_dump({**WORLD, "spec": {"data": {"sources": [{"a": 1}]}}})}},
+     "spec.data.sources is set"),
 ]
 
 
@@ -137,6 +174,11 @@ GOOD_VALUES = [
     {"nodePools": {}, "trainer": {"nodePool": ""}},
     {"kueue": {"enabled": True, "clusterQueue": "cq", "localQueueNamespaces": ["default", "team-a"]}},
     {"operator": {"livenessProbe": None, "readinessProbe": None}},
+    {"solaris": {**SOLARIS_ON["solaris"], "config": WORLD}},
+    {"solaris": {**SOLARIS_ON["solaris"], "config": yaml.safe_dump(WORLD)}},  # --set-file
+    {"solaris": {**SOLARIS_ON["solaris"], "existingConfigMap": {"name": "world", "key": "gem.yaml"}, "namespace": "team-a",
+                 "startupProbe": None, "livenessProbe": None, "readinessProbe": None, "ttlSeconds": 0.5}},
+    {"solaris": {"enabled": False, "config": WORLD}},  # kept for later: nothing is rendered
 ]
 
 

@@ -43,9 +43,49 @@ app.kubernetes.io/component: operator
 {{- define "gem-platform.labels" -}}
 helm.sh/chart: {{ include "gem-platform.chart" . }}
 {{ include "gem-platform.selectorLabels" . }}
+{{ include "gem-platform.commonLabels" . }}
+{{- end -}}
+
+{{- define "gem-platform.commonLabels" -}}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: gem-platform
+{{- end -}}
+
+{{/* Solaris (gem serve-precompute): its own component, so the operator's Service and ServiceMonitor never select it. */}}
+{{- define "gem-platform.solarisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "gem-platform.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: solaris
+{{- end -}}
+
+{{- define "gem-platform.solarisLabels" -}}
+helm.sh/chart: {{ include "gem-platform.chart" . }}
+{{ include "gem-platform.solarisSelectorLabels" . }}
+{{ include "gem-platform.commonLabels" . }}
+{{- end -}}
+
+{{/*
+The solaris values, or an empty dict: values of a release made with a chart without the section
+(`helm upgrade --reuse-values`) have none, and .Values.solaris.enabled would fail on nil.
+*/}}
+{{- define "gem-platform.solarisEnabled" -}}
+{{- if (.Values.solaris | default dict).enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "gem-platform.solarisNamespace" -}}
+{{- default .Release.Namespace .Values.solaris.namespace -}}
+{{- end -}}
+
+{{/* The Solaris image: the trainer image unless solaris.image says otherwise; a digest wins over the tag. */}}
+{{- define "gem-platform.solarisImage" -}}
+{{- $img := .Values.solaris.image -}}
+{{- $repository := default .Values.trainer.image.repository $img.repository -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repository (default (default .Chart.AppVersion .Values.trainer.image.tag) $img.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "gem-platform.serviceAccountName" -}}
