@@ -500,3 +500,20 @@ def test_a_restarting_job_is_a_warning_like_the_training_operators_own_event(clu
     assert reconcile_stored(cluster, "GEMTraining", "back")["phase"] == "Restarting"
     assert {e["reason"]: e["type"] for e in cluster.events(involved_name="back")} == {
         "JobCreated": "Normal", "JobRestarting": "Warning"}
+
+
+# --------------------------------------------------------------------------- job events vs newer state
+
+
+def test_a_late_job_event_does_not_move_a_finished_resource_back(cluster):
+    # Before the fix the job event's own (possibly old) copy of the job was mirrored into the
+    # freshly read resource: an event for Running handled after the timer had already written
+    # Succeeded put the resource back to Running until the next resync.
+    stored(cluster, "GEMTraining", "late")
+    reconcile_stored(cluster, "GEMTraining", "late")
+    running = cluster.patch_status(JOBS, "PyTorchJob", "late-train", {"conditions": [
+        job_condition("Created", "True", 0), job_condition("Running", "True", 1)]})
+    cluster.patch_status(JOBS, "PyTorchJob", "late-train", {"conditions": FINISHED["Succeeded"], "completionTime": "2026-01-01T00:05:00Z"})
+    assert reconcile_stored(cluster, "GEMTraining", "late")["phase"] == "Succeeded"  # the timer saw the end
+    reconcile.sync_from_job(running, LOG)  # the Running event, handled late
+    assert cluster.get(API, "GEMTraining", "late")["status"]["phase"] == "Succeeded"

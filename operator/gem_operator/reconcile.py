@@ -515,8 +515,11 @@ def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
     if not kind or not name or not (job.get("status") or {}).get("conditions"):
         return  # not ours, or nothing to mirror yet (the create handler wrote the first status)
     parent = kube.get_resource(kind, ns, name)
-    if parent is None or not kube.owned_by(job, parent["metadata"].get("uid")):
-        return
+    # The job read again, after its parent: the event's copy may be older than the job state another
+    # writer (the timer, a handler) mirrored into the parent already, and would move it back.
+    job = kube.get_pytorchjob(ns, job["metadata"]["name"]) if parent is not None else None
+    if parent is None or job is None or not kube.owned_by(job, parent["metadata"].get("uid")):
+        return  # gone: a deleted job is the next reconcile's (JobDeleted)
     try:
         obj, problem = parse_resource(kind, parent), None
     except InvalidSpec as e:
