@@ -670,6 +670,8 @@ def test_metrics_keep_to_their_timeout_when_mlflow_never_finishes_answering(clie
         client.metrics("slow", timeout=1)
     assert str(info.value) == ("timed out after 1s reading the metrics of GEMTraining default/slow from MLflow: "
                                "it is slow or not answering; pass a longer timeout (gemctl metrics --timeout)")
+    with pytest.raises(WaitTimeoutError, match="timed out after -1s"):  # passed, as for wait (not a ValueError)
+        client.metrics("slow", timeout=-1)
     r = CliRunner().invoke(gemctl_app, ["metrics", "gt", "slow", "--timeout", "1",
                                         "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 4 and "timed out after 1s reading the metrics of GEMTraining default/slow" in r.output, \
