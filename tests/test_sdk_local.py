@@ -312,6 +312,42 @@ def test_a_reused_supervisor_pid_is_not_taken_for_the_supervisor(client, root):
         client.wait(job, timeout=10)
 
 
+def test_delete_after_a_crash_spares_the_processes_that_reuse_its_pids(client, root):
+    """After a crash (or reboot), supervisor.pid and pods.yaml name pids the system may have given to
+    other processes: delete SIGTERMed another job's supervisor that reused the pid, and SIGKILLed the
+    process group of whatever reused a replica's pid."""
+    fake(client, "sleep").submit(training("crashed", nodes=1))
+    other = fake(client, "sleep").submit(training("other", nodes=1))
+    client.wait("crashed", until=["Running"], timeout=30)
+    client.wait(other, until=["Running"], timeout=30)
+    d, other_d = (root / "default" / "gemtrainings" / n for n in ("crashed", "other"))
+    pods = yaml.safe_load((d / "pods.yaml").read_text())
+    os.kill(int((d / "supervisor.pid").read_text()), signal.SIGKILL)
+    os.killpg(int(pods["items"][0]["metadata"]["annotations"]["gem.dev/local-pid"]), signal.SIGKILL)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        # the crashed job's pids, as the system handed them out again
+        (d / "supervisor.pid").write_text((other_d / "supervisor.pid").read_text())
+        pods["items"][0]["metadata"]["annotations"]["gem.dev/local-pid"] = str(stranger.pid)
+        store.write_yaml(d / "pods.yaml", pods)
+        client.delete("crashed")
+        assert stranger.poll() is None, "delete killed a process that only reused a replica's pid"
+        assert client.get(other).status.phase == "Running"
+        assert _alive(int((other_d / "supervisor.pid").read_text()))
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_root_named_through_a_symlink_sees_the_supervisor_running(client, root, tmp_path):
+    job = fake(client, "sleep").submit(training("linked", nodes=1))
+    client.wait(job, until=["Running"], timeout=30)
+    (tmp_path / "link").symlink_to(root)
+    other = GEMClient(LocalBackendConfig(root=tmp_path / "link"))
+    with pytest.raises(WaitTimeoutError):  # not BackendError: "its supervisor exited"
+        other.wait("linked", timeout=1)
+
+
 def test_wait_on_a_job_without_status_says_what_to_check(client, root, monkeypatch):
     # submit writes the first status and the supervisor keeps it; a job without one (an object.yaml
     # written by hand, a supervisor that hangs before its first write) timed out with "(phase None)".

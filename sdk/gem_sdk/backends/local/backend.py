@@ -93,21 +93,50 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _supervisor_running(pid: int | None) -> bool:
-    """Whether pid is a live supervisor: after a crash or reboot supervisor.pid may name an
-    unrelated process that reuses the pid, which must not count as the job running."""
-    return pid is not None and _alive(pid) and _is_supervisor(pid)
+def _supervisor_running(pid: int | None, d: Path) -> bool:
+    """Whether pid is the live supervisor of the job in `d`: after a crash or reboot supervisor.pid
+    may name an unrelated process that reuses the pid, or another job's supervisor, which must not
+    count as this job running (nor be stopped by its `delete`)."""
+    return pid is not None and _alive(pid) and _is_supervisor(pid, d)
 
 
-def _is_supervisor(pid: int) -> bool:
-    """Whether pid is a supervisor process (guards against a recycled pid), where /proc tells."""
+def _is_supervisor(pid: int, d: Path) -> bool:
+    """Whether pid is the supervisor of the job in `d` (its command line names the module and the
+    directory: guards against a recycled pid), where /proc tells."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return _SUPERVISOR_MODULE.encode() in f.read()
+            args = f.read().split(b"\0")
     except FileNotFoundError:
         return False if os.path.isdir("/proc") else _alive(pid)
     except OSError:
         return _alive(pid)
+    if _SUPERVISOR_MODULE.encode() not in args:
+        return False
+    # Another process may name the same root otherwise (a symlink): compare where they lead.
+    job = os.path.realpath(d)
+    return any(os.path.realpath(os.fsdecode(a)) == job for a in args if a.startswith(b"/"))
+
+
+def _pod_group_alive(pgid: int, sandbox: Path) -> bool:
+    """Whether a process of group `pgid` runs in the pod's sandbox (its working directory, which
+    every process of the replica inherits), where /proc tells: after a crash or reboot the pid
+    pods.yaml recorded may lead another process group, which must not be killed."""
+    if not os.path.isdir("/proc"):
+        return True
+    sandbox = sandbox.resolve()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # fields after the name: state ppid pgrp
+                    continue
+            cwd = Path(os.readlink(f"/proc/{entry.name}/cwd"))
+        except (OSError, IndexError, ValueError):
+            continue
+        if cwd == sandbox or sandbox in cwd.parents:
+            return True
+    return False
 
 
 class LocalBackend(Backend):
@@ -158,7 +187,7 @@ class LocalBackend(Backend):
         if pid is None:
             return (f"no status yet: no local supervisor was started for it ({d / store.PID_FILE} is missing); "
                     "delete it and submit it again")
-        running = "is running" if _supervisor_running(pid) else "is not running"
+        running = "is running" if _supervisor_running(pid, d) else "is not running"
         return (f"no status yet: its local supervisor (pid {pid}, {running}) has not written one; "
                 f"check its log, {d / store.SUPERVISOR_LOG}")
 
@@ -339,7 +368,7 @@ class LocalBackend(Backend):
     def _stop(self, d: Path) -> None:
         """Stop the job's supervisor (which stops its replicas); kill what is left."""
         pid = self._supervisor_pid(d)
-        if pid is not None and _supervisor_running(pid):
+        if pid is not None and _supervisor_running(pid, d):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -361,10 +390,12 @@ class LocalBackend(Backend):
         for pod in pods:
             pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get(store.ANNOTATION_PID)
             state = ((pod.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
-            if pod_pid and "running" in state:
+            name = (pod.get("metadata") or {}).get("name") or ""
+            if pod_pid and "running" in state and name and pod_pid.isdigit() \
+                    and _pod_group_alive(int(pod_pid), d / store.PODS_DIR / name):
                 try:
                     os.killpg(int(pod_pid), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, ValueError):
+                except (ProcessLookupError, PermissionError):
                     pass
 
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
@@ -425,7 +456,7 @@ class LocalBackend(Backend):
                     return obj
             else:
                 pid = self._supervisor_pid(d)
-                if pid is not None and not _supervisor_running(pid) and phase_of(obj) != Phase.suspended.value:
+                if pid is not None and not _supervisor_running(pid, d) and phase_of(obj) != Phase.suspended.value:
                     final = self._read(kind, ns, name)  # it may have written just before exiting
                     if final.metadata.uid != uid:
                         raise gone
@@ -503,7 +534,7 @@ class LocalBackend(Backend):
             if phase == Phase.suspended.value or phase in TERMINAL_PHASES:
                 return
             pid = self._supervisor_pid(d)
-            if not _supervisor_running(pid):
+            if not _supervisor_running(pid, d):
                 break
             time.sleep(POLL_S)
         self._stop(d)
@@ -529,7 +560,7 @@ class LocalBackend(Backend):
         """Start a new supervisor for a suspended job (after the old one has exited)."""
         pid = self._supervisor_pid(d)
         end = time.monotonic() + STOP_GRACE_S
-        while _supervisor_running(pid) and time.monotonic() < end:
+        while _supervisor_running(pid, d) and time.monotonic() < end:
             time.sleep(0.05)
         self._stop(d)
         job = store.read_yaml(d / store.PYTORCHJOB_FILE) or {}
@@ -651,7 +682,7 @@ class LocalBackend(Backend):
             item = self._pod_item(d, pod)
             if phase in TERMINAL_PHASES or (item is not None and item["status"].get("phase") == "Succeeded"):
                 return None  # no container starts after these
-            if phase != Phase.suspended.value and not _supervisor_running(self._supervisor_pid(d)):
+            if phase != Phase.suspended.value and not _supervisor_running(self._supervisor_pid(d), d):
                 return None  # it died: the wait that comes next says so (BackendError)
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"timed out waiting for pod {pod} to start again", kind=kind, namespace=ns,
@@ -671,7 +702,7 @@ class LocalBackend(Backend):
             except FileNotFoundError:
                 replaced = True
             if replaced or phase_of(self._read(*ref)) in TERMINAL_PHASES \
-                    or not _supervisor_running(self._supervisor_pid(d)):
+                    or not _supervisor_running(self._supervisor_pid(d), d):
                 return item
             time.sleep(POLL_S / 4)
 
