@@ -82,3 +82,13 @@ def test_every_op_refuses_decreasing_offsets_naming_them():
         for kernel in (Kernel.PYTORCH, Kernel.TILED):
             with pytest.raises(ValueError, match=r"offsets.* must be non-decreasing.*\[1\] = 4 > .*\[2\] = 2"):
                 call(kernel)
+
+
+def test_oneseq_merge_orders_fractional_timestamps_in_both_kernels():
+    """The reference once sorted by int(time), so 1.2, 1.7 (input 0) and 1.5 (input 1) tied at 1
+    and kept input order, while the tiled kernel ordered them by time."""
+    ts = [torch.tensor([1.2, 1.7], dtype=torch.float64), torch.tensor([1.5], dtype=torch.float64)]
+    offsets = [make_offsets([2]), make_offsets([1])]
+    for kernel in (Kernel.PYTORCH, Kernel.TILED):
+        index, _, source = oneseq_merge_index(ts, offsets, kernel=kernel)
+        assert index.tolist() == [0, 2, 1] and source.tolist() == [0, 1, 0], kernel

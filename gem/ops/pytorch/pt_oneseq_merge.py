@@ -17,7 +17,7 @@ def pytorch_oneseq_merge_index(timestamps: list[torch.Tensor], offsets: list[tor
         events = []  # (time, input, position-in-concatenation)
         for i, (ts, off) in enumerate(zip(timestamps, offsets)):
             for r in range(int(off[b]), int(off[b + 1])):
-                events.append((int(ts[r]), i, base[i] + r))
+                events.append((ts[r].item(), i, base[i] + r))  # not int(): fractional seconds order too
         events.sort()  # by time, then input order, then original position
         if max_seq_len is not None:
             events = events[len(events) - min(len(events), max_seq_len):]  # the most recent
