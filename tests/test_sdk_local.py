@@ -362,7 +362,8 @@ def test_wait_on_a_job_without_status_says_what_to_check(client, root, monkeypat
     assert "phase None" not in str(info.value)
     assert f"no status yet: no local supervisor was started for it ({d / 'supervisor.pid'} is missing)" in str(info.value)
     # A supervisor that runs but has written nothing: its log says why.
-    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "gem_sdk.backends.local.supervisor"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "gem_sdk.backends.local.supervisor",
+                              str(d)])
     try:
         (d / "supervisor.pid").write_text(str(stuck.pid))
         with pytest.raises(WaitTimeoutError) as info:
