@@ -443,6 +443,23 @@ def test_operator_environment() -> None:
     assert not {"GEM_MLFLOW_TRACKING_URI", "GEM_MLFLOW_UI_URL", "GEM_MLFLOW_CREDENTIALS_SECRET", "GEM_KUEUE_QUEUE_NAME"} & set(bare)
 
 
+def test_extra_env_cannot_repeat_a_variable() -> None:
+    """The env list is a map keyed by name: server-side apply (Helm 4, Flux) refuses a duplicate, and
+    client-side apply keeps both. An extraEnv naming a variable the chart sets rendered it twice."""
+    full = {"mlflow": {"trackingUri": "http://mlflow:5000", "uiUrl": "https://mlflow.example.com", "credentialsSecret": "m"},
+            "kueue": {"enabled": True}}
+    names = [e["name"] for e in operator_container(render(full))["env"]]
+    assert len(names) == len(set(names))
+    # the operator sets these two itself from its flags, overwriting an env of the same name
+    for name in [*names, "GEM_WATCH_NAMESPACES", "GEM_READINESS_URL"]:
+        with pytest.raises(helm.HelmRenderError, match=f"operator.extraEnv sets {name}, which the chart sets from"):
+            render({**full, "operator": {"extraEnv": [{"name": name, "value": "1"}]}})
+    with pytest.raises(helm.HelmRenderError, match="operator.extraEnv sets HTTPS_PROXY twice"):
+        render({"operator": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "a"}, {"name": "HTTPS_PROXY", "value": "b"}]}})
+    env = env_of(operator_container(render({"operator": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]}})))
+    assert env["HTTPS_PROXY"] == "http://proxy:3128"
+
+
 def test_image_references() -> None:
     assert operator_container(render())["image"] == "ghcr.io/gem-platform/operator:0.1.0"
     assert operator_container(render({"operator": {"image": {"tag": "0.2.0-rc1"}}}))["image"].endswith(":0.2.0-rc1")
