@@ -118,6 +118,26 @@ def test_hsp_reference_kernel_gradients_and_batch_independence(lengths, seed):
 
 @FAST
 @given(lengths=lengths_st, seed=st.integers(0, 100))
+def test_hsp_matches_its_plain_per_example_form(lengths, seed):
+    """Both kernels run the same module code, so the kernel pair above cannot see a wiring error
+    (a dropped norm, the scale before the activation, another compression): this spells HSP out."""
+    torch.manual_seed(seed)
+    hsp = HierarchicalSeedPooling(TIER, rank=2, activation="gelu_tanh")
+    tb = _tier_batch(lengths, seed)
+    out = hsp(tb).detach()
+    n, H, dh, dt = TIER.num_seeds, TIER.num_heads, TIER.head_dim, TIER.dim
+    q = hsp.q_norm(hsp.w_q(hsp.seed_norm(hsp.seeds)).view(n, H, dh)) * dh**-0.5  # [n_seed, H, dh]
+    for b, L in enumerate(lengths):
+        lo = int(tb.offsets[b])
+        k, v = hsp.w_kv(tb.values[lo:lo + L]).view(L, 2, H, dh).unbind(1)
+        scores = torch.einsum("shd,thd->hst", q, hsp.k_norm(k))  # [H, n_seed, L]
+        pooled = torch.einsum("hst,thd->shd", F.gelu(scores, approximate="tanh") / TIER.max_seq_len, v)
+        want = hsp.out_norm(hsp.compress.reference(pooled.reshape(1, n, dt)))
+        torch.testing.assert_close(out[b:b + 1], want.detach(), atol=1e-5, rtol=1e-4)
+
+
+@FAST
+@given(lengths=lengths_st, seed=st.integers(0, 100))
 def test_pffn_matches_a_per_example_generated_ffn(lengths, seed):
     torch.manual_seed(seed)
     n_sum = CFG.num_sum_tokens
