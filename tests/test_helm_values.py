@@ -86,6 +86,8 @@ BAD_VALUES = [
     ({"metrics": {"port": 0}}, "/metrics/port"),
     ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"interval": ""}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"scrapeTimeout": "10s30m"}}}, "/metrics/serviceMonitor/scrapeTimeout"),  # units out of order
     ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create"),
     # names of every object are made of these: upper case or '_' would be refused by the API server
     ({"fullnameOverride": "Gem_Platform"}, "/fullnameOverride"),
@@ -138,6 +140,11 @@ BAD_COMBINATIONS = [
     ({"metrics": {"port": 8080}}, "operator.health.port and metrics.port are both 8080"),
     ({"metrics": {"port": 8081}}, "operator.readiness.port and metrics.port are both 8081"),
     ({"operator": {"readiness": {"port": 8080}}}, "operator.readiness.port and operator.health.port are both 8080"),
+    # Prometheus refuses a scrape whose timeout is longer than its interval (the ServiceMonitor is dropped)
+    ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "10s", "scrapeTimeout": "15s"}}},
+     "metrics.serviceMonitor.scrapeTimeout (15s) is longer than metrics.serviceMonitor.interval (10s)"),
+    ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "1m500ms"}}},
+     "metrics.serviceMonitor.scrapeTimeout (1m500ms) is longer"),
     # Solaris' --config: exactly one of the manifest and a ConfigMap holding it
     (SOLARIS_ON, "solaris.enabled needs the manifest of the world it serves"),
     ({"solaris": {**SOLARIS_ON["solaris"], "config": WORLD, "existingConfigMap": {"name": "world"}}},
@@ -174,6 +181,9 @@ GOOD_VALUES = [
     {"nodePools": {}, "trainer": {"nodePool": ""}},
     {"kueue": {"enabled": True, "clusterQueue": "cq", "localQueueNamespaces": ["default", "team-a"]}},
     {"operator": {"livenessProbe": None, "readinessProbe": None}},
+    # Prometheus durations: compound ones too; a timeout equal to the interval
+    {"metrics": {"serviceMonitor": {"enabled": True, "interval": "1m30s", "scrapeTimeout": "90s"}}},
+    {"metrics": {"serviceMonitor": {"enabled": True, "interval": "1h", "scrapeTimeout": "59m59s999ms"}}},
     {"solaris": {**SOLARIS_ON["solaris"], "config": WORLD}},
     {"solaris": {**SOLARIS_ON["solaris"], "config": yaml.safe_dump(WORLD)}},  # --set-file
     {"solaris": {**SOLARIS_ON["solaris"], "existingConfigMap": {"name": "world", "key": "gem.yaml"}, "namespace": "team-a",

@@ -160,3 +160,14 @@ the rules on namespaced resources, on cluster-scoped resources, or all of them.
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+{{/* Milliseconds of a Prometheus duration (1m30s, 500ms; the schema checked its form). */}}
+{{- define "gem-platform.durationMs" -}}
+{{- $ms := dict "y" 31536000000 "w" 604800000 "d" 86400000 "h" 3600000 "m" 60000 "s" 1000 "ms" 1 -}}
+{{- $total := 0 -}}
+{{- range regexFindAll "[0-9]+(ms|[ywdhms])" . -1 -}}
+{{- $n := regexFind "^[0-9]+" . -}}
+{{- $total = add $total (mul (atoi $n) (get $ms (trimPrefix $n .))) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
