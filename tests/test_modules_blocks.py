@@ -207,6 +207,23 @@ def test_block_attention_layer_kernels_and_batch_independence(lengths, shift, al
         torch.testing.assert_close(out[lo:lo + n], alone.detach(), atol=1e-5, rtol=1e-4)
 
 
+def test_block_attention_layer_matches_its_plain_form():
+    """S + W_o · BlockAttn(RoPE(q), RoPE(k), v), spelled out with the reference ops (the kernel pair
+    shares the layer's wiring: swapped q/k or a rotated v would pass it)."""
+    from gem.ops import block_attention, time_rotary
+
+    torch.manual_seed(0)
+    layer = BlockAttentionLayer(TIER, shift=TIER.block_size // 2)
+    tb = _tier_batch([0, 5, 40, 17])
+    H, dh = TIER.num_heads, TIER.head_dim
+    q, k, v = layer.w_qkv(layer.norm(tb.values)).view(-1, 3, H, dh).unbind(1)
+    q, k = (time_rotary(x, tb.phase, kernel=Kernel.PYTORCH) for x in (q, k))
+    o = block_attention(q, k, v, tb.offsets, block_size=TIER.block_size, shift=TIER.block_size // 2,
+                        kernel=Kernel.PYTORCH)
+    want = tb.values + layer.w_o(o.flatten(1))
+    torch.testing.assert_close(layer(tb), want, atol=1e-5, rtol=1e-4)
+
+
 def _inputs_with(clicks: list[list[int]], convs: list[list[int]], imps: list[list[int]]) -> GemInputs:
     """Timestamps per example and event type; ids = timestamps so the order is visible."""
     B = len(clicks)
