@@ -124,6 +124,12 @@ def test_logs_and_delete(home):
     r = gemctl("delete", "gt", "l", "--local")
     assert r.exit_code == 0 and 'gemtraining.gem.dev "l" deleted' in r.stdout
     assert gemctl("get", "gt", "l", "--local").exit_code == 3
+    # delete waits for the job to be gone by reading it: one that cannot be read is removed all the same
+    broken = home / "gemhome" / "default" / "gemtrainings" / "broken"
+    broken.mkdir(parents=True)
+    (broken / "object.yaml").write_text("{{{ not yaml")
+    r = gemctl("delete", "gt", "broken", "--local")
+    assert r.exit_code == 0 and not broken.exists(), r.output
 
 
 def test_exit_codes(home, monkeypatch):

@@ -62,11 +62,14 @@ def test_backends_keep_the_base_signatures(impl):
             continue
         sig = inspect.signature(getattr(impl, name))
         # GEMClient's own last parameters: metrics' timeout (it bounds the whole read itself, on both
-        # backends), logs' previous (it reads KubernetesBackend._previous_log)
-        extra = {"metrics": ("timeout", None), "logs": ("previous", False)}.get(name) if impl is GEMClient else None
-        if extra is not None:
-            assert list(sig.parameters)[-1] == extra[0] and sig.parameters[extra[0]].default is extra[1]
-            sig = sig.replace(parameters=list(sig.parameters.values())[:-1])
+        # backends), logs' previous (it reads KubernetesBackend._previous_log), delete's wait for the
+        # job to be gone
+        own = {"metrics": {"timeout": None}, "logs": {"previous": False},
+               "delete": {"wait": False, "timeout": None}}.get(name, {}) if impl is GEMClient else {}
+        if own:
+            params = list(sig.parameters.values())
+            assert {p.name: p.default for p in params[-len(own):]} == own, name
+            sig = sig.replace(parameters=params[:-len(own)])
         assert sig == inspect.signature(getattr(Backend, name)), name
 
 

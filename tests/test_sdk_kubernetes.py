@@ -758,3 +758,45 @@ def test_an_answer_that_is_not_the_kubernetes_api_is_a_backend_error(web_page):
                "('<html> <body>Sign in to continue</body> </html>'); is it the cluster's API server?" in str(info.value), verb
     r = CliRunner().invoke(gemctl_app, ["delete", "gt", "x", "--kubeconfig", str(web_page)])
     assert r.exit_code == 5 and "answered with something other than the Kubernetes API's JSON" in r.output, r.output
+
+
+KOPF_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
+
+
+def _set_finalizers(kubeapi, name: str, finalizers: list[str]) -> None:
+    kubeapi.store.mutate(kubeapi.resource(API, "GEMTraining"), "default", name,
+                         lambda o: o["metadata"].__setitem__("finalizers", finalizers))
+
+
+def test_delete_waits_for_the_operators_finalizer_and_says_when_it_stays(client, kubeapi):
+    # The operator's timers make kopf put a finalizer on every running job: a DELETE only marks it
+    # (deletionTimestamp) until the operator removes it. Before, `gemctl delete` said "deleted" at
+    # once, and a submit of the same name then failed with "already exists; delete it first".
+    kc = str(kubeapi.kubeconfig_path)
+    client.submit(manifest("held"))
+    _set_finalizers(kubeapi, "held", [KOPF_FINALIZER])
+    r = CliRunner().invoke(gemctl_app, ["delete", "gt", "held", "--timeout", "1", "--kubeconfig", kc])
+    assert r.exit_code == 4, r.output
+    assert (f"timed out after 1s waiting for GEMTraining default/held to be deleted: its finalizer {KOPF_FINALIZER} "
+            "is still there; the gem operator removes it (is it running?)") in r.output
+    assert kubeapi.get(API, "GEMTraining", "held")["metadata"]["deletionTimestamp"]
+    with pytest.raises(AlreadyExistsError, match=f"GEMTraining default/held is still being deleted: its finalizer "
+                                                 f"{KOPF_FINALIZER} is still there"):
+        client.submit(manifest("held"))
+
+    # The operator removes its finalizer once gemctl has seen the job still there: it waits for that.
+    polled = kubeapi.faults.add(method="GET", path=r"/gemtrainings/held$")
+    def operator() -> None:
+        while polled.hits < 2:  # delete's own read of the job, then a look after the DELETE
+            time.sleep(0.02)
+        _set_finalizers(kubeapi, "held", [])
+
+    threading.Thread(target=operator, daemon=True).start()
+    r = CliRunner().invoke(gemctl_app, ["delete", "gt", "held", "--kubeconfig", kc])
+    assert r.exit_code == 0 and 'gemtraining.gem.dev "held" deleted' in r.output, r.output
+    assert kubeapi.get(API, "GEMTraining", "held") is None
+    client.submit(manifest("held"))  # the name is free again
+
+    _set_finalizers(kubeapi, "held", [KOPF_FINALIZER])
+    r = CliRunner().invoke(gemctl_app, ["delete", "gt", "held", "--no-wait", "--kubeconfig", kc])
+    assert r.exit_code == 0 and kubeapi.get(API, "GEMTraining", "held")["metadata"]["deletionTimestamp"]

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
-from gem_sdk._exceptions import ValidationError, WaitTimeoutError, describe
+from gem_sdk._exceptions import GEMError, NotFoundError, ValidationError, WaitTimeoutError, describe
 from gem_sdk._objects import phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
@@ -285,19 +285,53 @@ class GEMClient:
             if opened is not None:
                 yield opened[1]  # announces the next container, before its lines
 
-    def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
+    def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None, wait: bool = False,
+               timeout: float | None = None) -> None:
         """Delete a job; its PyTorchJob, pods (or local processes) and config go with it.
+
+        On Kubernetes a running job carries the gem operator's finalizer: the API only marks it
+        deleted (`deletionTimestamp`) until the operator has removed it, and the name is taken
+        until then. `wait` waits for that, as `kubectl delete` does (`gemctl delete` by default).
 
         Args:
             name: The job's name, or a typed object.
             kind: Default: the object's kind, else GEMTraining.
             namespace: Default: the object's, else the backend's.
+            wait: Return once the job is gone, not once its deletion was accepted.
+            timeout: With `wait`, seconds to wait at most. Default: forever.
 
         Raises:
             NotFoundError: no such job.
+            WaitTimeoutError: with `wait`, the job was still there after `timeout` (its message
+                names the finalizers left).
             BackendError: the API or the local runtime failed.
         """
-        return self.backend.delete(name, kind=kind, namespace=namespace)
+        if not wait:
+            return self.backend.delete(name, kind=kind, namespace=namespace)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            uid = self.get(name, kind=kind, namespace=namespace).metadata.uid
+        except GEMError:  # delete says what is wrong, or removes it all the same (a local job half made)
+            uid = None
+        self.backend.delete(name, kind=kind, namespace=namespace)
+        pause = 0.05
+        while True:
+            try:
+                obj = self.get(name, kind=kind, namespace=namespace)
+            except NotFoundError:
+                return None
+            if uid is not None and obj.metadata.uid != uid:  # gone, and another of the name submitted meanwhile
+                return None
+            left = _time_left(deadline)
+            if left == 0:
+                from gem_sdk.backends.kubernetes.utils import finalizers_left
+
+                what = describe(obj.kind, obj.metadata.namespace, obj.metadata.name)
+                raise WaitTimeoutError(f"timed out after {timeout:g}s waiting for {what} to be deleted: "
+                                       f"{finalizers_left(obj)}", object=obj, kind=obj.kind,
+                                       namespace=obj.metadata.namespace, name=obj.metadata.name)
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(2 * pause, 1.0)
 
     # ------------------------------------------------------------------ in-flight changes
 

@@ -394,15 +394,20 @@ def logs(
 def delete(
     kind: KindArg,
     name: NameArg,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until the job is gone: on a cluster the gem "
+                                       "operator's finalizer holds a running job (and its name) for a moment.")] = True,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="With --wait, seconds to wait at most "
+                                                     "(default: forever).")] = None,
     local: LocalOpt = False,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Delete a job and stop everything it runs."""
+    """Delete a job and stop everything it runs (waits until it is gone, as kubectl delete)."""
     with _errors():
         kind = resolve_kind(kind)
-        _client(local, kubeconfig, context, namespace).delete(name, kind=kind, namespace=namespace)
+        _client(local, kubeconfig, context, namespace).delete(name, kind=kind, namespace=namespace, wait=wait,
+                                                              timeout=timeout)
         _console().print(f'{kind.lower()}.gem.dev "{name}" deleted', markup=False)
 
 

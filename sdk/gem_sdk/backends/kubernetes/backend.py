@@ -13,7 +13,15 @@ from kubernetes.client.rest import ApiException
 
 from gem.api.render import CONTAINER_NAME
 from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION, Phase
-from gem_sdk._exceptions import BackendError, NotFoundError, ValidationError, WaitTimeoutError, describe
+from gem_sdk._exceptions import (
+    AlreadyExistsError,
+    BackendError,
+    GEMError,
+    NotFoundError,
+    ValidationError,
+    WaitTimeoutError,
+    describe,
+)
 from gem_sdk._mlflow import metric_history
 from gem_sdk._objects import (
     check_replica_exists,
@@ -44,6 +52,7 @@ from gem_sdk.backends.base import Backend
 from gem_sdk.backends.kubernetes.utils import (
     CONNECTION_ERRORS,
     api_error,
+    finalizers_left,
     iter_lines,
     make_api_client,
     status_message,
@@ -158,10 +167,24 @@ class KubernetesBackend(Backend):
         model.metadata.namespace = ns
         body = model.to_wire()
         body.pop("status", None)
-        created = self._call(
-            "create", model.kind, ns, model.metadata.name,
-            self.custom.create_namespaced_custom_object, GROUP, VERSION, ns, _plural(model.kind), body,
-        )
+        try:
+            created = self._call(
+                "create", model.kind, ns, model.metadata.name,
+                self.custom.create_namespaced_custom_object, GROUP, VERSION, ns, _plural(model.kind), body,
+            )
+        except AlreadyExistsError as e:
+            # A job deleted a moment ago stays until its finalizers are removed: say so, not "delete it first".
+            try:
+                existing = self.get(model.metadata.name, kind=model.kind, namespace=ns)
+            except GEMError:
+                raise e from None
+            if not (existing.metadata.model_extra or {}).get("deletionTimestamp"):
+                raise
+            raise AlreadyExistsError(
+                f"{describe(model.kind, ns, model.metadata.name)} is still being deleted: {finalizers_left(existing)}; "
+                "submit it again once it is gone (gemctl delete waits for that)",
+                kind=model.kind, namespace=ns, name=model.metadata.name,
+            ) from None
         return from_wire(created)
 
     def get(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> Resource:
