@@ -89,6 +89,9 @@ BAD_VALUES = [
     ({"metrics": {"serviceMonitor": {"interval": ""}}}, "/metrics/serviceMonitor/interval"),
     ({"metrics": {"serviceMonitor": {"scrapeTimeout": "10s30m"}}}, "/metrics/serviceMonitor/scrapeTimeout"),  # units out of order
     ({"serviceAccount": {"create": "true"}}, "/serviceAccount/create"),
+    # no ServiceAccount of its own and none named: the RBAC went to the namespace's `default`, which every pod uses
+    ({"serviceAccount": {"create": False}}, "/serviceAccount/name"),
+    ({"serviceAccount": {"create": False}, "rbac": {"create": False}}, "/serviceAccount/name"),
     # names of every object are made of these: upper case or '_' would be refused by the API server
     ({"fullnameOverride": "Gem_Platform"}, "/fullnameOverride"),
     ({"fullnameOverride": "1gem"}, "/fullnameOverride"),  # a Service name must start with a letter
@@ -179,6 +182,7 @@ GOOD_VALUES = [
     {"watchNamespaces": ["team-a"], "rbac": {"scope": "namespaced"}},
     {"global": {"imageRegistry": "mirror.example.com"}},
     {"nodePools": {}, "trainer": {"nodePool": ""}},
+    {"serviceAccount": {"create": False, "name": "default"}},  # said explicitly, it is a choice
     {"kueue": {"enabled": True, "clusterQueue": "cq", "localQueueNamespaces": ["default", "team-a"]}},
     {"operator": {"livenessProbe": None, "readinessProbe": None}},
     # Prometheus durations: compound ones too; a timeout equal to the interval
