@@ -257,6 +257,8 @@ NONSENSE_CONFIGS = {
     "sum_kron_rank": (lambda: dataclasses.replace(CFG, sum_kron_rank=0), "a reshape error at forward"),
     "num_time_buckets": (lambda: dataclasses.replace(CFG, num_time_buckets=0), "index_select error"),
     "num_experts": (lambda: dataclasses.replace(CFG, num_experts=0), "a model without interaction"),
+    "num_shared_experts \\+ num_surface_experts": (lambda: dataclasses.replace(
+        CFG, num_shared_experts=0, num_surface_experts=0), "NaN logits (a softmax over no experts)"),
     "rotary_scale": (lambda: dataclasses.replace(CFG, rotary_scale=float("nan")), "NaN logits"),
     "features.num_surfaces": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(CFG.features,
                                                                                            num_surfaces=0)), ""),

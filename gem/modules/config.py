@@ -178,9 +178,12 @@ class KunlunConfig:
                   token_ffn_mult=self.token_ffn_mult, sum_kron_rank=self.sum_kron_rank, num_experts=self.num_experts,
                   expert_tokens=self.expert_tokens, fm_rank=self.fm_rank, fm_hidden=self.fm_hidden,
                   num_time_buckets=self.num_time_buckets, head_hidden=self.head_hidden,
-                  num_shared_experts=self.num_shared_experts, head_expert_dim=self.head_expert_dim,
-                  tower_dim=self.tower_dim, **{"features.num_surfaces": self.features.num_surfaces})
-        _at_least(0, "", num_dense_tokens=self.num_dense_tokens, num_surface_experts=self.num_surface_experts)
+                  head_expert_dim=self.head_expert_dim, tower_dim=self.tower_dim,
+                  **{"features.num_surfaces": self.features.num_surfaces})
+        _at_least(0, "", num_dense_tokens=self.num_dense_tokens, num_shared_experts=self.num_shared_experts,
+                  num_surface_experts=self.num_surface_experts)
+        if self.num_shared_experts + self.num_surface_experts < 1:  # a gate over no experts: NaN logits
+            raise ValueError("num_shared_experts + num_surface_experts must be >= 1: the heads' gates need an expert")
         if not math.isfinite(self.rotary_scale):
             raise ValueError(f"rotary_scale must be a finite number, got {self.rotary_scale!r}")
         if not self.tiers:
