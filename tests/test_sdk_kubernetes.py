@@ -72,6 +72,16 @@ def test_missing_kubeconfig_is_a_backend_error(tmp_path):
         GEMClient(KubernetesBackendConfig(kubeconfig=str(tmp_path / "nope")))
 
 
+def test_a_kubeconfig_that_is_not_yaml_is_a_backend_error(tmp_path):
+    # Before: yaml's ParserError, "a bug in gemctl" (exit 5 all the same, but no word of the file).
+    bad = tmp_path / "config"
+    bad.write_text("apiVersion: v1\nclusters: [\n  - {{{\n")
+    with pytest.raises(BackendError, match=f"no usable Kubernetes configuration \\({bad}\\): while parsing"):
+        GEMClient(KubernetesBackendConfig(kubeconfig=str(bad)))
+    r = CliRunner().invoke(gemctl_app, ["list", "--kubeconfig", str(bad)])
+    assert r.exit_code == 5 and f"Error: no usable Kubernetes configuration ({bad})" in r.output, r.output
+
+
 def test_submit_each_input_form(client, kubeapi, tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest("from-file")))

@@ -11,6 +11,7 @@ from typing import Any
 
 import kubernetes
 import urllib3
+import yaml
 from kubernetes.client.rest import ApiException
 
 from gem_sdk._exceptions import (
@@ -54,7 +55,7 @@ def make_api_client(cfg: KubernetesBackendConfig) -> tuple[kubernetes.client.Api
             contexts, current = kubernetes.config.list_kube_config_contexts(config_file=config_file)
             chosen = next((c for c in contexts if c["name"] == cfg.context), None) if cfg.context else current
             namespace = ((chosen or {}).get("context") or {}).get("namespace")
-    except (kubernetes.config.ConfigException, OSError, TypeError, ValueError) as e:
+    except (kubernetes.config.ConfigException, OSError, TypeError, ValueError, yaml.YAMLError) as e:
         raise BackendError(
             f"no usable Kubernetes configuration ({config_file}{', context ' + cfg.context if cfg.context else ''}): {e}; "
             "pass --kubeconfig/--context, or use the local backend (--local)"
