@@ -129,6 +129,28 @@ def test_a_failed_replica_is_not_restarted_before_its_back_off(tmp_path):
         assert run.logs("cl-master-0") == "why it failed\n"
 
 
+def _gpu_job(gpus: str, workers: int = 1) -> dict:
+    job = pytorchjob("g", [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
+                     workers=workers)
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        rs["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    return job
+
+
+def test_each_replica_gets_gpus_of_its_own(tmp_path, monkeypatch):
+    """Every replica saw every GPU, so each one's local rank 0 took GPU 0 (NCCL: duplicate GPU);
+    as the device plugin does, each gets the GPUs it asks for, from CUDA_VISIBLE_DEVICES's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with LocalPyTorchJob(_gpu_job("2"), tmp_path) as run:
+        run.start()
+        assert run.wait(timeout=30) == "Succeeded"
+        assert run.logs("g-master-0") == "4,5\n" and run.logs("g-worker-0") == "6,7\n"
+    with LocalPyTorchJob(_gpu_job("1"), tmp_path / "uuids", gpus=["GPU-a", "GPU-b"]) as run:
+        assert dict(run.pods["g-worker-0"].extra_env)["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+    with pytest.raises(ValueError, match=r"ask for 6 nvidia.com/gpu together .* this machine has 4 for them"):
+        LocalPyTorchJob(_gpu_job("2", workers=2), tmp_path / "short")
+
+
 def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):
     job = pytorchjob("nv", [sys.executable, "-c", "raise SystemExit(2)"], restart_policy="Never",
                      run_policy={"backoffLimit": 3})

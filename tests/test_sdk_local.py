@@ -268,6 +268,23 @@ def test_a_bad_restart_back_off_setting_is_refused_at_submit(client, root, monke
     assert not (root / "default" / "gemtrainings" / "early").exists()
 
 
+def test_local_replicas_get_gpus_of_their_own(client, root, monkeypatch):
+    def print_gpus(job: dict) -> dict:
+        for rs in job["spec"]["pytorchReplicaSpecs"].values():
+            ctr = rs["template"]["spec"]["containers"][0]
+            ctr["command"], ctr["args"] = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"], []
+        return job
+
+    client.backend._patch_job = print_gpus
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValidationError, match=r"spec.resources.gpusPerNode: the job's replicas ask for 2 nvidia.com/gpu"):
+        client.submit(training("gpus", resources={"gpusPerNode": 1}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,7")
+    job = client.submit(training("gpus", resources={"gpusPerNode": 1}))
+    client.wait(job, timeout=60)
+    assert dict(client.all_logs(job)) == {"gpus-train-master-0": "3", "gpus-train-worker-0": "7"}
+
+
 def test_wait_times_out_and_delete_stops_the_processes(client, root):
     job = fake(client, "sleep").submit(training("sleepy"))
     running = client.wait(job, until=["Running"], timeout=30)

@@ -45,6 +45,9 @@ No cluster, no containers, no torch import. Two layers:
   `GEM_LOCAL_RESTART_BACKOFF_S` (or `restart_backoff=`) sets the first delay, 0 restarts at once.
   Unlike the kubelet, the first restart waits too: locally the failed container's log is the only
   record of why it failed, and it stays in place (`<log>`, not yet `.previous`) meanwhile.
+  GPUs are handed out as the NVIDIA device plugin does: a replica whose container asks for
+  `nvidia.com/gpu: g` gets g GPUs of its own (`CUDA_VISIBLE_DEVICES`), out of `gpu_pool()`, so the
+  replicas' local ranks 0.. do not all land on GPU 0 (NCCL refuses two ranks on one GPU).
 
 The process environment is a small base (`BASE_ENV_KEYS` copied from this process when
 set, `PATH` with the interpreter's bin dir first, and `HOSTNAME` = pod name) plus the
@@ -98,6 +101,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def gpu_pool(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The GPUs local replicas are given from: `$CUDA_VISIBLE_DEVICES` when set (ids or UUIDs),
+    else the NVIDIA GPUs the driver lists (`/proc/driver/nvidia/gpus`); None when neither tells."""
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return None
+
+
+def gpus_requested(pod_spec: Mapping[str, Any]) -> int:
+    """The `nvidia.com/gpu` a pod's main container asks for (its limit, else its request)."""
+    resources = _pick_container(pod_spec, None).get("resources") or {}
+    value = (resources.get("limits") or {}).get(GPU_RESOURCE) or (resources.get("requests") or {}).get(GPU_RESOURCE)
+    return int(value or 0)
 
 
 def restart_backoff_from_env(environ: Mapping[str, str] | None = None) -> float:
@@ -461,6 +486,23 @@ class LocalPod:
             return ""
 
 
+def total_gpus(job: Mapping[str, Any]) -> int:
+    """The `nvidia.com/gpu` a PyTorchJob's replicas ask for together."""
+    total = 0
+    for spec in ((job.get("spec") or {}).get("pytorchReplicaSpecs") or {}).values():
+        replicas = int(spec.get("replicas") if spec.get("replicas") is not None else 1)
+        total += replicas * gpus_requested((spec.get("template") or {}).get("spec") or {})
+    return total
+
+
+def gpu_shortage(wanted: int, have: int) -> str:
+    """Why replicas asking for `wanted` GPUs together cannot run on `have`."""
+    return (f"the job's replicas ask for {wanted} {GPU_RESOURCE} together (spec.parallelism.numNodes x "
+            f"spec.resources.gpusPerNode) and this machine has {have} for them (CUDA_VISIBLE_DEVICES, else "
+            "every NVIDIA GPU): locally each replica needs GPUs of its own, as on a cluster; lower numNodes "
+            "or gpusPerNode, or make more GPUs visible")
+
+
 def backoff_exhausted(backoff_limit: int | str | None, restart_policy: str, restarts: int, failing: int = 1) -> bool:
     """Whether restarting `failing` failed replicas of `restart_policy` would take the job past
     `runPolicy.backoffLimit` (training-operator v1.9), `restarts` being what is counted so far.
@@ -519,6 +561,12 @@ class LocalPyTorchJob:
             (default 127.0.0.1 and a free port).
         restart_backoff: the delay before a failed replica's first restart, in seconds (doubled
             for each further one, see `RestartBackOff`); default `restart_backoff_from_env()`.
+        gpus: the GPUs to hand out to replicas that ask for `nvidia.com/gpu`; default `gpu_pool()`
+            (None: unknown, nothing handed out: each replica sees what this process sees).
+
+    Raises:
+        ValueError: the replicas ask for more GPUs than `gpus` holds (a cluster would leave
+            them Pending; here they would share GPUs, which NCCL refuses).
     """
 
     def __init__(
@@ -531,6 +579,7 @@ class LocalPyTorchJob:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         restart_backoff: float | None = None,
+        gpus: list[str] | None = None,
     ) -> None:
         self.job = job
         self.name = job["metadata"]["name"]
@@ -545,13 +594,21 @@ class LocalPyTorchJob:
         run_policy = job["spec"].get("runPolicy") or {}
         self.backoff_limit = run_policy.get("backoffLimit")
         rdzv = f"{master_addr}:{self.master_port}"
+        pool = gpu_pool() if gpus is None else list(gpus)
+        if pool and total_gpus(job) > len(pool):
+            raise ValueError(gpu_shortage(total_gpus(job), len(pool)))
         for rtype in sorted(specs, key=lambda r: (r != "Master", r)):
             spec = specs[rtype]
             for i in range(int(spec.get("replicas") if spec.get("replicas") is not None else 1)):
                 pod_name = replica_name(self.name, rtype, i)
+                pod_spec = (spec.get("template") or {}).get("spec") or {}
                 extra = training_operator_env(job, rtype, i, master_addr, self.master_port, rdzv_endpoint=rdzv)
+                wanted = gpus_requested(pod_spec) if pool else 0  # no GPUs known: none handed out
+                if wanted:
+                    extra.append(("CUDA_VISIBLE_DEVICES", ",".join(pool[:wanted])))
+                    pool = pool[wanted:]
                 pod = LocalPod(
-                    pod_name, (spec.get("template") or {}).get("spec") or {}, self.workdir / "pods" / pod_name,
+                    pod_name, pod_spec, self.workdir / "pods" / pod_name,
                     extra_env=extra, configmaps=configmaps, secrets=secrets,
                     claims_dir=claims_dir or self.workdir / "claims", log_path=self.workdir / "logs" / f"{pod_name}.log",
                 )

@@ -24,7 +24,7 @@ from typing import Any
 from gem.api.render import TeacherMount, job_name, render_config_map, render_pytorchjob
 from gem.api.types import KINDS, TERMINAL_PHASES, LoopFMDistill, Phase
 from gem.api.validation import runnable_field_problems
-from gem.launcher.local import restart_backoff_from_env
+from gem.launcher.local import gpu_pool, gpu_shortage, restart_backoff_from_env, total_gpus
 from gem_sdk._exceptions import (
     AlreadyExistsError,
     BackendError,
@@ -247,12 +247,17 @@ class LocalBackend(Backend):
                 or f"sqlite:///{self.root / store.MLFLOW_DB}")
 
     @staticmethod
-    def _check_environment() -> None:
+    def _check_environment(job: dict[str, Any], **ref: str) -> None:
         """A supervisor inherits this environment: refuse what it would fail on, before it starts."""
         try:
             restart_backoff_from_env()
         except ValueError as e:
-            raise ValidationError(str(e)) from None
+            raise ValidationError(str(e), **ref) from None
+        pool = gpu_pool()
+        if pool and total_gpus(job) > len(pool):
+            raise ValidationError(f"{describe(ref['kind'], ref['namespace'], ref['name'])} cannot run here",
+                                  errors=[FieldError("spec.resources.gpusPerNode",
+                                                     gpu_shortage(total_gpus(job), len(pool)))], **ref)
 
     def _spawn(self, d: Path) -> None:
         with open(d / store.SUPERVISOR_LOG, "ab") as log:
@@ -280,7 +285,6 @@ class LocalBackend(Backend):
         name, kind = model.metadata.name, model.kind
         model.metadata.namespace = ns
         ref = {"kind": kind, "namespace": ns, "name": name}
-        self._check_environment()
         # What the operator refuses with Valid=False (gem.api.validation), refused here before
         # anything runs, in the operator's words: the spec is meant to run on a cluster later.
         problems = runnable_field_problems(model)
@@ -308,6 +312,7 @@ class LocalBackend(Backend):
             job = render_pytorchjob(model, mlflow_tracking_uri=self._mlflow_uri(model), teacher=teacher)
             if self._patch_job is not None:
                 job = self._patch_job(job)
+            self._check_environment(job, **ref)
             created = f"PyTorchJob {job['metadata']['name']} is created."
             job["status"] = {"conditions": [
                 {"type": "Created", "status": "True", "reason": "PyTorchJobCreated", "message": created,
@@ -490,9 +495,9 @@ class LocalBackend(Backend):
     ) -> Resource:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         self._read(kind, ns, name)
-        if suspend is False:
-            self._check_environment()  # a resume starts a supervisor
         d = self._dir(kind, ns, name)
+        if suspend is False:  # a resume starts a supervisor
+            self._check_environment(store.read_yaml(d / store.PYTORCHJOB_FILE) or {}, kind=kind, namespace=ns, name=name)
         resume = False
         try:
             with store.locked(d):  # the supervisor writes object.yaml under the same lock
