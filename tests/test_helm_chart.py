@@ -637,11 +637,13 @@ def test_notes_upgrade_commands_work_on_a_helm_installed_cluster() -> None:
 
 SAMPLE_TEXT = (ROOT / "manifests" / "samples" / "gemtraining.yaml").read_text()
 SOLARIS_CHECKPOINT = {"claimName": "gem-checkpoints", "path": "team-a/gem-sample/step-00000400"}
-#: The three ways to give `--config`: the manifest as a mapping, as its text (--set-file), or a ConfigMap of yours.
+#: The ways to give `--config`: the manifest as a mapping, as its text (--set-file), a ConfigMap of
+#: yours, or none: the checkpoint's own gem.yaml.
 SOLARIS_CONFIGS = {
     "mapping": {"config": yaml.safe_load(SAMPLE_TEXT)},
     "text": {"config": SAMPLE_TEXT},
     "existingConfigMap": {"existingConfigMap": {"name": "world", "key": "gem.yaml"}},
+    "checkpoint": {},
 }
 
 
@@ -691,7 +693,7 @@ def test_every_solaris_combination_renders(config: str, namespace: str, service_
     ns = namespace or NAMESPACE
     solaris = component(docs, "solaris")
     kinds = sorted(d["kind"] for d in solaris)
-    expected = ["Deployment", "Service"] + (["ConfigMap"] if config != "existingConfigMap" else [])
+    expected = ["Deployment", "Service"] + (["ConfigMap"] if config in ("mapping", "text") else [])
     assert kinds == sorted(expected + (["ServiceMonitor"] if service_monitor else [])), kinds
     assert all(d["metadata"]["namespace"] == ns for d in solaris)
 
@@ -708,11 +710,16 @@ def test_every_solaris_combination_renders(config: str, namespace: str, service_
 
     # the config volume is the ConfigMap the chart wrote, or the user's, with the key asked for
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    cm_ref = volumes["config"]["configMap"]
-    if config == "existingConfigMap":
+    if config == "checkpoint":
+        assert "config" not in volumes
+        (c,) = pod["spec"]["containers"]
+        assert "--config=/var/lib/gem/checkpoints/team-a/gem-sample/step-00000400/gem.yaml" in c["args"]
+    elif config == "existingConfigMap":
+        cm_ref = volumes["config"]["configMap"]
         assert cm_ref == {"name": "world", "items": [{"key": "gem.yaml", "path": "config.yaml"}]}
     else:
         (cm,) = by_kind(solaris, "ConfigMap")
+        cm_ref = volumes["config"]["configMap"]
         assert cm_ref == {"name": cm["metadata"]["name"], "items": [{"key": "config.yaml", "path": "config.yaml"}]}
         assert yaml.safe_load(cm["data"]["config.yaml"]) == yaml.safe_load(SAMPLE_TEXT)
         assert pod["metadata"]["annotations"]["checksum/config"]  # a new config restarts the server
@@ -728,7 +735,7 @@ def test_every_solaris_combination_renders(config: str, namespace: str, service_
         assert not op_sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
 
 
-@pytest.mark.parametrize("config", ["mapping", "text"])
+@pytest.mark.parametrize("config", ["mapping", "text", "checkpoint"])
 def test_solaris_runs_what_gem_serve_precompute_accepts(config: str, tmp_path: Path, monkeypatch) -> None:
     """The container's command line goes through `gem`'s own parser; the files it names are where the
     chart mounts them, and the config is a manifest serve-precompute serves."""
@@ -737,17 +744,22 @@ def test_solaris_runs_what_gem_serve_precompute_accepts(config: str, tmp_path: P
 
     docs = render(solaris_values(config, port=9000, ttlSeconds=3600))
     c = solaris_container(docs)
-    (cm,) = by_kind(component(docs, "solaris"), "ConfigMap")
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert c["command"] == ["gem"] and c["args"][0] == "serve-precompute"
     flags = dict(a.split("=", 1) for a in c["args"][1:])
-    assert flags["--config"] == f"{mounts['config']['mountPath']}/config.yaml"
     assert flags["--checkpoint"] == f"{mounts['checkpoints']['mountPath']}/{SOLARIS_CHECKPOINT['path']}"
-    assert mounts["checkpoints"]["readOnly"] and mounts["config"]["readOnly"]
+    assert mounts["checkpoints"]["readOnly"]
+    if config == "checkpoint":
+        # the manifest the checkpoint was trained from, as the trainer saved it (gem.train.checkpoint)
+        assert flags["--config"] == f"{flags['--checkpoint']}/gem.yaml"
+        text = yaml.safe_dump(yaml.safe_load(SAMPLE_TEXT), sort_keys=False)
+    else:
+        assert flags["--config"] == f"{mounts['config']['mountPath']}/config.yaml" and mounts["config"]["readOnly"]
+        text = one(component(docs, "solaris"), "ConfigMap")["data"]["config.yaml"]
 
-    # what the pod would read at /etc/gem/solaris/config.yaml, read here by the command itself
+    # what the pod would read at --config, read here by the command itself
     local_config = tmp_path / "config.yaml"
-    local_config.write_text(cm["data"]["config.yaml"])
+    local_config.write_text(text)
     argv = [a if not a.startswith("--config=") else f"--config={local_config}" for a in c["args"]]
     seen = {}
 

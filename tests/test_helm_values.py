@@ -148,8 +148,7 @@ BAD_COMBINATIONS = [
      "metrics.serviceMonitor.scrapeTimeout (15s) is longer than metrics.serviceMonitor.interval (10s)"),
     ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "1m500ms"}}},
      "metrics.serviceMonitor.scrapeTimeout (1m500ms) is longer"),
-    # Solaris' --config: exactly one of the manifest and a ConfigMap holding it
-    (SOLARIS_ON, "solaris.enabled needs the manifest of the world it serves"),
+    # Solaris' --config: the manifest or a ConfigMap holding it, not both
     ({"solaris": {**SOLARIS_ON["solaris"], "config": WORLD, "existingConfigMap": {"name": "world"}}},
      "solaris.config and solaris.existingConfigMap.name are both set"),
     # the text form (--set-file) passes no schema: the template checks what serve-precompute would refuse
@@ -188,6 +187,7 @@ GOOD_VALUES = [
     # Prometheus durations: compound ones too; a timeout equal to the interval
     {"metrics": {"serviceMonitor": {"enabled": True, "interval": "1m30s", "scrapeTimeout": "90s"}}},
     {"metrics": {"serviceMonitor": {"enabled": True, "interval": "1h", "scrapeTimeout": "59m59s999ms"}}},
+    SOLARIS_ON,  # --config: the checkpoint's own gem.yaml
     {"solaris": {**SOLARIS_ON["solaris"], "config": WORLD}},
     {"solaris": {**SOLARIS_ON["solaris"], "config": yaml.safe_dump(WORLD)}},  # --set-file
     {"solaris": {**SOLARIS_ON["solaris"], "existingConfigMap": {"name": "world", "key": "gem.yaml"}, "namespace": "team-a",
