@@ -190,3 +190,16 @@ def test_block_attention_bf16_forward_and_backward_are_close_to_fp32():
 
     for got, want in zip(run(torch.bfloat16, Kernel.TILED), run(torch.float32, Kernel.PYTORCH)):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_block_attention_refuses_a_plan_made_for_other_blocks():
+    """A precomputed plan with another shift or alignment (or for another batch) once ran with its
+    own blocks, silently: only block_size was compared."""
+    offsets = make_offsets([40, 70])
+    q, k, v = _qkv(110)
+    for plan in (plan_blocks(offsets, 64, shift=32), plan_blocks(offsets, 64, align="end"),
+                 plan_blocks(make_offsets([40, 71]), 64)):
+        with pytest.raises(ValueError, match="plan was made for block_size=64"):
+            block_attention(q, k, v, offsets, block_size=64, plan=plan)
+    torch.testing.assert_close(block_attention(q, k, v, offsets, block_size=64, plan=plan_blocks(offsets, 64)),
+                               block_attention(q, k, v, offsets, block_size=64))

@@ -43,7 +43,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
     if kernel == Kernel.PYTORCH:
         return pytorch_block_attention(q, k, v, offsets, block_size=block_size, shift=shift, scale=scale,
                                        align=align)
-    if plan is not None:
-        torch._assert(plan.block == block_size, "plan was made for another block_size")
+    if plan is not None and ((plan.block, plan.shift, plan.align) != (block_size, shift, align)
+                             or plan.dst.numel() != q.shape[0]):
+        # A plan of other blocks (or another batch) once ran silently with its own blocks.
+        raise ValueError(f"plan was made for block_size={plan.block}, shift={plan.shift}, align={plan.align!r} "
+                         f"and {plan.dst.numel()} rows; this call has block_size={block_size}, shift={shift}, "
+                         f"align={align!r} and {q.shape[0]} rows: pass plan_blocks(offsets, block_size, "
+                         f"shift=shift, align=align) or no plan")
     return tiled_block_attention(q, k, v, offsets, block_size=block_size, shift=shift, scale=scale, plan=plan,
                                  align=align)

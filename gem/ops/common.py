@@ -310,6 +310,8 @@ class BlockPlan:
     dst: torch.Tensor  # int64 [ΣL], slot of each jagged row
     valid: torch.Tensor  # bool [num_blocks, block]
     block_segment: torch.Tensor  # int64 [num_blocks], the segment each block belongs to
+    shift: int = 0
+    align: str = "start"
 
     @property
     def layout(self) -> SlotLayout:
@@ -354,4 +356,4 @@ def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0, align: str
     src[dst] = torch.arange(total, device=offsets.device)
     valid = (src != total).view(num_blocks, block)
     block_segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), blocks_per_seg)
-    return BlockPlan(block, num_blocks, src, dst, valid, block_segment)
+    return BlockPlan(block, num_blocks, src, dst, valid, block_segment, shift, align)
