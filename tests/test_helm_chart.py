@@ -477,7 +477,8 @@ DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 def test_the_longest_names_still_give_valid_object_names(release: str, values: dict[str, Any] | None) -> None:
     """Helm's longest release name (53) or a 63-character fullnameOverride: a Service name stays a DNS
     label of at most 63 characters (was: `<fullname>-metrics`, 71, which the API server refuses)."""
-    for doc in render({**(values or {}), "metrics": {"serviceMonitor": {"enabled": True}}}, release=release):
+    everything = {**(values or {}), **solaris_values(), "metrics": {"serviceMonitor": {"enabled": True}}}
+    for doc in render(everything, release=release):
         name = doc["metadata"]["name"]
         if doc["kind"] == "Service":
             assert DNS_LABEL.match(name) and len(name) <= 63, name
