@@ -202,9 +202,10 @@ def test_bf16_autocast_is_close_to_fp32(batch):
 
 
 def test_padded_baseline_equals_block_attention_when_one_block_holds_everything(batch):
-    """Full attention over a padded history == block attention when every history fits in one block."""
-    big_block = tuple(dataclasses.replace(t, block_size=64) for t in CFG.tiers)
-    cfg = dataclasses.replace(CFG, tiers=big_block)
+    """Full attention over a padded history == block attention when every history fits in one block,
+    in the shifted local layer too (4 layers: shifts 0 and 64; histories <= 64 = block - shift)."""
+    big_block = tuple(dataclasses.replace(t, block_size=128) for t in CFG.tiers)
+    cfg = dataclasses.replace(CFG, tiers=big_block, num_layers=4)
     jagged, padded = _model(cfg), _model(cfg, cls=PaddedKunlunModel)
     padded.load_state_dict(jagged.state_dict())
     assert any(isinstance(m, BlockAttentionLayer) for m in padded.modules())
