@@ -10,9 +10,15 @@ made in a lifecycle that takes every path to the API fails it too, unless listed
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from aiohttp import web
 from kubernetes import client
 
@@ -20,22 +26,22 @@ from gem_operator.kube import RBAC_RULES
 from tests.kubeapi import KubeAPIServer
 from tests.kubeapi.server import write_kubeconfig
 from tests.kubeapi.testing import wait_for
-from tests.test_operator import GROUP, VERSION, Operator, create, distill, finish_job, status_of, wait_phase
+from tests.test_operator import GROUP, ROOT, VERSION, create, distill, finish_job, gemtraining, status_of, wait_phase
 from tests.test_operator_placement import add_nodes, bind_pods, parallel_training
 from tests.test_operator_reconcile import WORKLOAD_CRD, WORKLOADS, kueue_creates_workload
 
 TOKEN = "gem-operator-serviceaccount"
 
-#: Grants this lifecycle cannot use, each with where it is needed and checked.
+#: Grants the lifecycle below cannot use: where they are needed and checked.
 NOT_EXERCISED = {
     # The OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) asks
     # for it when a child has blockOwnerDeletion; the test server has no admission plugins
     # (tests/test_helm_chart.py checks the plugin's rule against the chart).
     *{("gem.dev", f"{plural}/finalizers", "update") for plural in ("gemtrainings", "loopfmdistills")},
-    # kopf's peering, only with --peering (tests/test_operator.py runs peered replicas): KopfPeering
-    # for an operator limited to namespaces, ClusterKopfPeering for -A.
-    *{("kopf.dev", plural, verb) for plural in ("kopfpeerings", "clusterkopfpeerings") for verb in ("list", "watch", "patch")},
 }
+#: kopf's peering, only with --peering: KopfPeering for an operator limited to namespaces,
+#: ClusterKopfPeering for -A (test_peering_stays_within_the_rbac).
+PEERING = {("kopf.dev", plural, verb) for plural in ("kopfpeerings", "clusterkopfpeerings") for verb in ("list", "watch", "patch")}
 
 #: Subresources of a namespace, which the API server does not take for a resource inside it.
 _NAMESPACE_SUBRESOURCES = {"status", "finalize"}
@@ -98,6 +104,7 @@ class Authorizer:
 
 @pytest.fixture
 def authorized(tmp_path):
+    """The API test server behind an Authorizer of RBAC_RULES, and a kubeconfig with TOKEN."""
     authorizer = Authorizer(RBAC_RULES)
     server = KubeAPIServer(executor=False, workdir=tmp_path / "kubeapi")
     # added before the server starts: aiohttp freezes its middlewares then
@@ -105,11 +112,24 @@ def authorized(tmp_path):
     with server:
         kubeconfig = write_kubeconfig(tmp_path / "operator-kubeconfig", server.url)
         kubeconfig.write_text(kubeconfig.read_text().replace("kubeapi-test-token", TOKEN))
-        operator = Operator(kubeconfig, tmp_path / "operator.log").start()
-        try:
-            yield server, authorizer
-        finally:
-            operator.stop()
+        yield server, authorizer, kubeconfig
+
+
+def start_operator(kubeconfig: Path, log: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "GEM_RESYNC_SECONDS": "2", "GEM_PEERING_LIFETIME": "5"}
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "gem_operator", "--kubeconfig", str(kubeconfig), *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@contextlib.contextmanager
+def running(kubeconfig: Path, log: Path, *args: str):
+    proc = start_operator(kubeconfig, log, *args)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def lifecycle(cluster, authorizer: Authorizer) -> None:
@@ -139,15 +159,35 @@ def lifecycle(cluster, authorizer: Authorizer) -> None:
     wait_for(lambda: status_of(cluster, "GEMTraining", "t").get("placement"), what="status.placement")
 
 
-def test_the_operator_uses_exactly_the_rbac_it_is_granted(authorized):
-    cluster, authorizer = authorized
-    try:
-        lifecycle(cluster, authorizer)
-    finally:  # a refusal, if any, says more than the wait it made time out
-        assert not authorizer.refused, "the operator made requests RBAC_RULES does not grant:\n" + "\n".join(authorizer.refused)
-    unused = authorizer.granted - authorizer.used - NOT_EXERCISED
+def test_the_operator_uses_exactly_the_rbac_it_is_granted(authorized, tmp_path):
+    cluster, authorizer, kubeconfig = authorized
+    with running(kubeconfig, tmp_path / "operator.log", "-n", "default"):
+        try:
+            lifecycle(cluster, authorizer)
+        finally:  # a refusal, if any, says more than the wait it made time out
+            assert not authorizer.refused, "the operator made requests RBAC_RULES does not grant:\n" + "\n".join(authorizer.refused)
+    unused = authorizer.granted - authorizer.used - NOT_EXERCISED - PEERING
     assert not unused, f"RBAC_RULES grants what the operator never asked for: {sorted(unused)}"
-    assert NOT_EXERCISED <= authorizer.granted
+    assert NOT_EXERCISED | PEERING <= authorizer.granted
+
+
+@pytest.mark.parametrize("scope", [["-n", "default"], []], ids=["namespaced", "cluster-wide"])
+def test_peering_stays_within_the_rbac(authorized, tmp_path, scope):
+    cluster, authorizer, kubeconfig = authorized
+    for doc in yaml.safe_load_all((ROOT / "manifests/peering/kopf-peering.yaml").read_text()):
+        if doc["kind"] == "CustomResourceDefinition":
+            cluster.apply_crd(doc)
+    kind, plural = ("KopfPeering", "kopfpeerings") if scope else ("ClusterKopfPeering", "clusterkopfpeerings")
+    cluster.create("kopf.dev/v1", kind, {"metadata": {"name": "gem-operator"}}, namespace="default" if scope else None)
+    with running(kubeconfig, tmp_path / "operator.log", *scope, "--peering", "gem-operator"):
+        try:
+            wait_for(lambda: (cluster.get("kopf.dev/v1", kind, "gem-operator", namespace="default" if scope else None)
+                              or {}).get("status"), what="the replica announced in the peering object")
+            create(client.CustomObjectsApi(cluster.api_client()), gemtraining("peered"))
+            wait_phase(cluster, "GEMTraining", "peered", "Created")
+        finally:
+            assert not authorizer.refused, "the operator made requests RBAC_RULES does not grant:\n" + "\n".join(authorizer.refused)
+    assert {t for t in PEERING if t[1] == plural} <= authorizer.used
 
 
 @pytest.mark.parametrize("method, path, query, expected", [
