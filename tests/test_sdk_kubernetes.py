@@ -698,6 +698,9 @@ def test_logs_previous_reads_the_container_before_a_restart(client, kubeapi, tmp
               f"while first and not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
               "sys.exit(3 if first else 0)\n")
     client.submit(manifest("crashy"))
+    with pytest.raises(NotFoundError, match="pod default/crashy-train-master-0 of GEMTraining default/crashy does "
+                                            "not exist .*: it has no previous container"):
+        client.logs("crashy", previous=True)
     kubeapi.create("kubeflow.org/v1", "PyTorchJob", pytorchjob("crashy-train", [sys.executable, "-c", script],
                                                                  run_policy={"backoffLimit": 3}))
     wait_for(lambda: list(client.logs("crashy", timeout=30)) == ["first: out of memory"], what="the first container")
