@@ -67,6 +67,39 @@ def test_config_namespace_comes_from_the_kubeconfig_context(client, kubeapi):
     assert other.default_namespace == "team-a"
 
 
+def test_the_default_namespace_is_the_contexts_else_the_pods_service_account(tmp_path, monkeypatch):
+    from kubernetes.config import incluster_config
+
+    from gem_sdk.backends.kubernetes import utils
+    from tests.kubeapi import write_kubeconfig
+
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:1", namespace="team-a")
+    cfg = yaml.safe_load(kubeconfig.read_text())
+    cfg["contexts"] += [{"name": "b", "context": {"cluster": "kubeapi", "user": "kubeapi", "namespace": "team-b"}},
+                        {"name": "none", "context": {"cluster": "kubeapi", "user": "kubeapi"}}]
+    kubeconfig.write_text(yaml.safe_dump(cfg))
+    for context, namespace in ((None, "team-a"), ("b", "team-b"), ("none", "default")):
+        assert GEMClient(KubernetesBackendConfig(kubeconfig=str(kubeconfig), context=context)).default_namespace \
+            == namespace, context
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    assert GEMClient(KubernetesBackendConfig(context="b")).default_namespace == "team-b"
+
+    # In a pod: no kubeconfig, the service account's namespace.
+    for name, text in (("token", "t0ken"), ("ca.crt", "not checked until used"), ("namespace", "team-c\n")):
+        (tmp_path / name).write_text(text)
+    monkeypatch.delenv("KUBECONFIG")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(tmp_path / "ca.crt"))
+    monkeypatch.setattr(utils, "_SA_NAMESPACE", tmp_path / "namespace")
+    client = GEMClient(KubernetesBackendConfig())
+    assert client.default_namespace == "team-c"
+    assert client.backend.api_client.configuration.host == "https://10.0.0.1:443"
+    assert GEMClient(KubernetesBackendConfig(namespace="mine")).default_namespace == "mine"
+
+
 def test_missing_kubeconfig_is_a_backend_error(tmp_path):
     with pytest.raises(BackendError, match="no usable Kubernetes configuration"):
         GEMClient(KubernetesBackendConfig(kubeconfig=str(tmp_path / "nope")))
