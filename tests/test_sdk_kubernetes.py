@@ -241,6 +241,22 @@ def test_delete(client, kubeapi):
     assert kubeapi.get(API, "GEMTraining", "gone") is None
 
 
+def test_delete_takes_the_pytorchjob_and_its_pods_along(client, kubeapi):
+    # What the operator creates is owned by the job (gem.api.render.owner_reference), and the pods
+    # by the PyTorchJob: deleting the job with the SDK's propagation leaves nothing running.
+    from tests.kubeapi.testing import pytorchjob, wait_for
+
+    obj = client.submit(manifest("owner"))
+    job = pytorchjob("owner-train", [sys.executable, "-c", "import time; time.sleep(60)"], workers=1)
+    job["metadata"]["ownerReferences"] = [{"apiVersion": API, "kind": "GEMTraining", "name": "owner",
+                                           "uid": obj.metadata.uid, "controller": True, "blockOwnerDeletion": True}]
+    kubeapi.create("kubeflow.org/v1", "PyTorchJob", job)
+    wait_for(lambda: [p.phase for p in client.pods("owner")] == ["Running", "Running"], what="both pods running")
+    client.delete("owner", wait=True)
+    assert kubeapi.get("kubeflow.org/v1", "PyTorchJob", "owner-train") is None
+    assert kubeapi.list("v1", "Pod", label_selector="training.kubeflow.org/job-name=owner-train") == []
+
+
 # --------------------------------------------------------------------------- wait
 
 
