@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -149,6 +150,43 @@ def test_each_replica_gets_gpus_of_its_own(tmp_path, monkeypatch):
         assert dict(run.pods["g-worker-0"].extra_env)["CUDA_VISIBLE_DEVICES"] == "GPU-b"
     with pytest.raises(ValueError, match=r"ask for 6 nvidia.com/gpu together .* this machine has 4 for them"):
         LocalPyTorchJob(_gpu_job("2", workers=2), tmp_path / "short")
+
+
+# A replica that starts a worker in a session of its own, as torchrun starts its workers (torch's
+# SubprocessHandler: start_new_session=True), and ignores SIGTERM for a while, as a trainer may.
+SPAWNS_WORKER = ("import os, subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', "
+                 "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'], "
+                 "start_new_session=True); open('worker.pid', 'w').write(str(w.pid)); time.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_leaves_no_worker_of_a_replica_behind(tmp_path):
+    """stop() signalled the replica's process group only: torchrun's workers (sessions of their own)
+    outlived it, holding GPUs and ports. As the kubelet kills the container's every process, stop
+    kills every process that runs in the pod's sandbox."""
+    job = pytorchjob("orph", [sys.executable, "-c", SPAWNS_WORKER])
+    run = LocalPyTorchJob(job, tmp_path)
+    run.start()
+    pid_file = tmp_path / "pods" / "orph-master-0" / "worker.pid"
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    assert _alive(worker)
+    run.stop(grace=0.5)
+    for _ in range(100):  # SIGKILL is delivered asynchronously
+        if not _alive(worker):
+            break
+        time.sleep(0.05)
+    assert not _alive(worker)
 
 
 def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):

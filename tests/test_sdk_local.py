@@ -356,6 +356,41 @@ def test_delete_after_a_crash_spares_the_processes_that_reuse_its_pids(client, r
         stranger.wait()
 
 
+# A replica that starts a worker in a session of its own, as torchrun does, which ignores SIGTERM.
+SPAWNS_WORKER = ("import os, subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', "
+                 "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'], "
+                 "start_new_session=True); open('worker.pid', 'w').write(str(w.pid)); time.sleep(120)")
+
+
+@pytest.mark.parametrize("supervisor", ["running", "killed"])
+def test_delete_leaves_no_worker_behind(client, root, supervisor):
+    """torchrun starts its workers in sessions of their own: delete killed the replica's process
+    group and left them running (holding GPUs and ports), the supervisor alive or not."""
+    def spawn_worker(job: dict) -> dict:
+        ctr = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        ctr["command"], ctr["args"] = [sys.executable, "-c", SPAWNS_WORKER], []
+        return job
+
+    client.backend._patch_job = spawn_worker
+    client.submit(training("workers", nodes=1))
+    d = root / "default" / "gemtrainings" / "workers"
+    pid_file = d / "pods" / "workers-train-master-0" / "worker.pid"
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    client.wait("workers", until=["Running"], timeout=30)
+    if supervisor == "killed":
+        os.kill(int((d / "supervisor.pid").read_text()), signal.SIGKILL)
+    client.delete("workers")
+    for _ in range(100):  # SIGKILL is delivered asynchronously
+        if not _alive(worker):
+            break
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
 def test_a_root_named_through_a_symlink_sees_the_supervisor_running(client, root, tmp_path):
     job = fake(client, "sleep").submit(training("linked", nodes=1))
     client.wait(job, until=["Running"], timeout=30)

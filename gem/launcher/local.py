@@ -25,6 +25,9 @@ No cluster, no containers, no torch import. Two layers:
   virtualenv resolve). When it exits, up to 4096 bytes of the termination message file
   become the message (policy `FallbackToLogsOnError`: the last 80 lines,
   at most 2048 bytes, of the log when the file is empty and the container failed).
+  `stop` sends SIGTERM to the process group, then, after the grace, SIGKILL to it and to every
+  other process of the pod (`pod_processes`: torchrun starts its workers in sessions of their own),
+  as the kubelet's kill of the container's cgroup reaches them all.
 
 * `LocalPyTorchJob` creates a `LocalPod` per replica with exactly the environment
   training-operator v1.9 injects (see `gem.launcher.env`), mapping the master's Service
@@ -94,6 +97,31 @@ RESTART_BACKOFF_RESET_S = 600.0
 
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_processes(sandbox: str | os.PathLike, pod_name: str) -> list[int]:
+    """The pids of a local pod's processes, where /proc tells (else none): started in its sandbox
+    (the working directory) with its HOSTNAME, which they inherit, also those in sessions of their
+    own (torchrun's workers), which its process group does not hold. Both, so that neither a shell
+    sitting in the sandbox nor a process that reuses a recorded pid is taken for one."""
+    if not os.path.isdir("/proc"):
+        return []
+    root = os.path.realpath(sandbox)
+    marker = f"HOSTNAME={pod_name}".encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry.name}/cwd")
+            if not (cwd == root or cwd.startswith(root + os.sep)):
+                continue
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    out.append(int(entry.name))
+        except OSError:  # gone, or not ours to look at
+            continue
+    return out
 
 
 def free_port() -> int:
@@ -429,8 +457,17 @@ class LocalPod:
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        """SIGKILL the whole process group, including any process still in it."""
+        """SIGKILL the whole process group and every other process in the sandbox (what the
+        kubelet's kill of the container's cgroup reaches)."""
         self._signal(signal.SIGKILL)
+        if self.proc is None:
+            return
+        for pid in pod_processes(self.sandbox, self.name):
+            if pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _signal(self, sig: int) -> None:
         if self.proc is None:

@@ -8,6 +8,7 @@ same root sees the same jobs; the submitting process may exit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import shutil
@@ -24,7 +25,7 @@ from typing import Any
 from gem.api.render import TeacherMount, job_name, render_config_map, render_pytorchjob
 from gem.api.types import KINDS, TERMINAL_PHASES, LoopFMDistill, Phase
 from gem.api.validation import runnable_field_problems
-from gem.launcher.local import gpu_pool, gpu_shortage, restart_backoff_from_env, total_gpus
+from gem.launcher.local import gpu_pool, gpu_shortage, pod_processes, restart_backoff_from_env, total_gpus
 from gem_sdk._exceptions import (
     AlreadyExistsError,
     BackendError,
@@ -115,28 +116,6 @@ def _is_supervisor(pid: int, d: Path) -> bool:
     # Another process may name the same root otherwise (a symlink): compare where they lead.
     job = os.path.realpath(d)
     return any(os.path.realpath(os.fsdecode(a)) == job for a in args if a.startswith(b"/"))
-
-
-def _pod_group_alive(pgid: int, sandbox: Path) -> bool:
-    """Whether a process of group `pgid` runs in the pod's sandbox (its working directory, which
-    every process of the replica inherits), where /proc tells: after a crash or reboot the pid
-    pods.yaml recorded may lead another process group, which must not be killed."""
-    if not os.path.isdir("/proc"):
-        return True
-    sandbox = sandbox.resolve()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # fields after the name: state ppid pgrp
-                    continue
-            cwd = Path(os.readlink(f"/proc/{entry.name}/cwd"))
-        except (OSError, IndexError, ValueError):
-            continue
-        if cwd == sandbox or sandbox in cwd.parents:
-            return True
-    return False
 
 
 class LocalBackend(Backend):
@@ -387,7 +366,9 @@ class LocalBackend(Backend):
                 except ProcessLookupError:
                     pass
         # Replicas the supervisor could not stop (it was killed or had crashed): each runs in its
-        # own process group, named by its pid in pods.yaml.
+        # own process group, named by its pid in pods.yaml, plus what started sessions of its own
+        # (torchrun's workers). After a crash or reboot that pid may lead another process group:
+        # it is killed only while it is the pod's (gem.launcher.local.pod_processes).
         try:
             pods = (store.read_yaml(d / store.PODS_FILE) or {}).get("items") or []
         except store.UnreadableFileError:
@@ -396,12 +377,15 @@ class LocalBackend(Backend):
             pod_pid = ((pod.get("metadata") or {}).get("annotations") or {}).get(store.ANNOTATION_PID)
             state = ((pod.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
             name = (pod.get("metadata") or {}).get("name") or ""
-            if pod_pid and "running" in state and name and pod_pid.isdigit() \
-                    and _pod_group_alive(int(pod_pid), d / store.PODS_DIR / name):
-                try:
+            if not (pod_pid and "running" in state and name and pod_pid.isdigit()):
+                continue
+            procs = pod_processes(d / store.PODS_DIR / name, name)
+            if int(pod_pid) in procs or not os.path.isdir("/proc"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(pod_pid), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            for pid in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
