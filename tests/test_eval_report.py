@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -123,6 +124,27 @@ def test_report_of_nan_predictions_is_strict_json(tmp_path):
     curve = click["calibrationCurve"]
     assert sum(b["n"] for b in curve) == 500 and curve[-1]["meanPred"] is None  # NaN sorts last
     assert curve[0]["meanPred"] is not None and curve[0]["meanLabel"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("case", ["no clicks", "empty"])
+def test_report_of_a_single_class_or_empty_eval_set(tmp_path, case):
+    """A task without positives (conversion with no click) or no examples at all: every undefined
+    value is null, and the PNG is drawn without matplotlib's 'No artists with labels' warnings."""
+    _, ev = build_splits(SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=10, num_eval_examples=200))
+    parts = oracle_parts(ev, ranks=1)
+    if case == "no clicks":
+        parts[0]["click"] = np.zeros_like(parts[0]["click"])
+    else:
+        parts = [{k: v[:0] for k, v in parts[0].items()}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        js, png = write_eval_report(parts, None, tmp_path / "r", step=1)
+    rep = json.loads(js.read_text())
+    click, conv = rep["tasks"]["click"], rep["tasks"]["conversion"]
+    assert click["ne"] is None and click["auc"] is None and click["calibration"] is None
+    assert conv["n"] == 0 and conv["baseRate"] is None and conv["calibrationCurve"] == [] and conv["bySurface"] == {}
+    assert click["baseRate"] == (0.0 if case == "no clicks" else None)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -123,6 +123,12 @@ def build_eval_report(parts: list[dict[str, np.ndarray]], eval_examples: Any, *,
             "metrics": {k: _f(v) for k, v in (metrics or {}).items()}, "tasks": tasks}
 
 
+def _legend(ax: Any, loc: str) -> None:
+    """A legend where something was drawn (an empty task has no curve: no matplotlib warning)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=loc)
+
+
 def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -141,10 +147,11 @@ def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
             hi = max(max(xs), max(ys), 1e-3) * 1.05
             ax.plot([0, hi], [0, hi], color="grey", lw=1, ls="--", label="perfect")
             ax.plot(xs, ys, marker="o", label="model")
-        ax.set_title(f"{task}: calibration (sum p / positives = {block['calibration'] or float('nan'):.3f})")
+        cal = block["calibration"]
+        ax.set_title(f"{task}: calibration (sum p / positives = {'undefined' if cal is None else f'{cal:.3f}'})")
         ax.set_xlabel("mean prediction (equal-count bins)")
         ax.set_ylabel("observed rate")
-        ax.legend(loc="upper left")
+        _legend(ax, "upper left")
         ax = axes[1, i]
         groups = ["all"] + [v.get("name", f"surface {s}") for s, v in block["bySurface"].items()]
         ne = [block["ne"]] + [v["ne"] for v in block["bySurface"].values()]
@@ -158,7 +165,7 @@ def plot_eval_report(report: dict[str, Any], path: Path) -> Path:
         ax.set_xticks(x, groups)
         ax.set_ylabel("normalized entropy (lower is better)")
         ax.set_title(f"{task}: NE by surface")
-        ax.legend(loc="lower right")
+        _legend(ax, "lower right")
     fig.suptitle(f"eval report, step {report.get('step')}, {report['numExamples']} examples")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
