@@ -33,8 +33,8 @@ GROUP, VERSION = "gem.dev", "v1alpha1"
 class Operator:
     """`gem-operator` as a child process; stop() and start() again to restart it."""
 
-    def __init__(self, kubeconfig: Path, log: Path):
-        self.kubeconfig, self.log, self.proc = kubeconfig, log, None
+    def __init__(self, kubeconfig: Path, log: Path, **env: str):
+        self.kubeconfig, self.log, self.proc, self.env = kubeconfig, log, None, env
 
     def start(self) -> "Operator":
         env = {
@@ -42,6 +42,7 @@ class Operator:
             "GEM_RESYNC_SECONDS": "2",
             "GEM_TEACHER_POLL_SECONDS": "0.3",
             "GEM_MLFLOW_TRACKING_URI": "http://mlflow.test:5000",
+            **self.env,
         }
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -454,6 +455,29 @@ def test_a_job_deleted_by_hand_fails_the_resource_and_is_not_recreated(cluster, 
 
     time.sleep(3)  # more than one resync period: still no new job
     assert jobs(cluster) == []
+
+
+def test_a_job_deleted_by_hand_is_reported_without_waiting_for_the_resync(cluster, api, tmp_path):
+    # Before the fix the job's DELETED event was ignored: the resource stayed Running until the
+    # resync timer (GEM_RESYNC_SECONDS, 30 s by default) noticed; here the timer never comes.
+    op = Operator(cluster.kubeconfig_path, tmp_path / "op.log", GEM_RESYNC_SECONDS="3600").start()
+    try:
+        create(api, gemtraining("dropped"))
+        wait_phase(cluster, "GEMTraining", "dropped", "Created")
+        cluster.patch_status("kubeflow.org/v1", "PyTorchJob", "dropped-train", {"conditions": job_conditions("Created", "Running")})
+        wait_phase(cluster, "GEMTraining", "dropped", "Running")
+        cluster.delete("kubeflow.org/v1", "PyTorchJob", "dropped-train")
+        status = wait_phase(cluster, "GEMTraining", "dropped", "Failed")
+        assert condition(status, "Failed")["reason"] == "JobDeleted"
+        assert [e["reason"] for e in cluster.events(involved_name="dropped") if e["type"] == "Warning"] == ["JobDeleted"]
+        create(api, gemtraining("gone-with-it"))  # deleting a resource deletes its job: nothing to report
+        wait_phase(cluster, "GEMTraining", "gone-with-it", "Created")
+        api.delete_namespaced_custom_object(GROUP, VERSION, "default", "gemtrainings", "gone-with-it")
+        wait_for(lambda: get(cluster, "GEMTraining", "gone-with-it") is None, what="gone-with-it deleted")
+        assert jobs(cluster) == []
+    finally:
+        op.stop()
+    assert "Traceback" not in op.log.read_text()
 
 
 def test_an_invalid_edit_while_the_job_runs_is_a_rejected_change(cluster, operator, api):

@@ -107,7 +107,9 @@ def count_phases(type: str, body: kopf.Body, **_: Any) -> None:
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels=MANAGED)
 def pytorchjob_event(type: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     # Fire-and-forget: a failure here is corrected by the resync timer below.
-    if type != "DELETED":
+    if type == "DELETED":
+        reconcile.job_deleted(dict(body), logger)
+    else:
         reconcile.sync_from_job(dict(body), logger)
 
 

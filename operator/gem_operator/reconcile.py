@@ -506,12 +506,31 @@ def mirror_job(status: dict[str, Any], job: dict[str, Any], parent: dict[str, An
     return out
 
 
+def _parent_ref(job: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """(kind, name, namespace) of the resource a PyTorchJob was rendered for, from its labels."""
+    labels = job["metadata"].get("labels", {})
+    return _KIND_BY_LABEL.get(labels.get(render.LABEL_KIND, "")), labels.get(render.LABEL_NAME), job["metadata"].get("namespace")
+
+
+def job_deleted(job: dict[str, Any], logger: logging.Logger) -> None:
+    """A PyTorchJob is gone: a parent that had not finished fails (JobDeleted) now, not at the next resync."""
+    kind, name, ns = _parent_ref(job)
+    if not kind or not name:
+        return
+    parent = kube.get_resource(kind, ns, name)
+    if parent is None or not kube.owned_by(job, parent["metadata"].get("uid")):
+        return  # its resource is gone too (the usual way a job goes), or is another one of that name
+    status = parent.get("status") or {}
+    if status.get("pytorchJob") != job["metadata"]["name"] or status.get("phase") in TERMINAL_PHASES:
+        return  # nothing recorded to lose, or it ended before (a cleanup): what a reconcile would find
+    new = reconcile(kind, parent, logger)
+    if new is not None and new != status:
+        kube.patch_status(kind, ns, name, new, parent["metadata"].get("resourceVersion"))
+
+
 def sync_from_job(job: dict[str, Any], logger: logging.Logger) -> None:
     """A PyTorchJob changed: bring its parent's status up to date (as a reconcile would)."""
-    labels = job["metadata"].get("labels", {})
-    kind = _KIND_BY_LABEL.get(labels.get(render.LABEL_KIND, ""))
-    name = labels.get(render.LABEL_NAME)
-    ns = job["metadata"].get("namespace")
+    kind, name, ns = _parent_ref(job)
     if not kind or not name or not (job.get("status") or {}).get("conditions"):
         return  # not ours, or nothing to mirror yet (the create handler wrote the first status)
     parent = kube.get_resource(kind, ns, name)
