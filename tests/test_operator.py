@@ -391,6 +391,8 @@ def test_metrics_count_resources_by_phase_and_reconciles(cluster, api, tmp_path)
 
         text = wait_for(scrape, what="phase gauge")
         assert 'gem_operator_reconciles_total{kind="GEMTraining",result="ok"}' in text
+        # Pending -> Created, seen on the watch, once each (the creation's, which no job condition made)
+        assert 'gem_operator_phase_transitions_total{kind="GEMTraining",phase="Created"} 2.0' in text
     finally:
         op.stop()
 
