@@ -207,3 +207,42 @@ def test_cpu_init_skips_deepspeeds_shared_memory_op():
         assert ds_comm.cdb.shm_comm_op is None
     finally:
         shutdown()
+
+
+def test_the_loaders_random_streams_are_not_the_synthetic_worlds(tmp_path, monkeypatch):
+    """training.seed and data.synthetic.seed both default to 0, and both seeded numpy with plain entropy
+    [seed, ...]: the loader's epoch 0 order was a permutation drawn from the world's own generator
+    ([seed, 0]), epoch 1's from the train split's sampler ([seed, 1], which numpy pads to [seed, 1, 0]),
+    epoch 3's from the first chunk of the streamed train split; a Parquet epoch's row-group order from
+    split e's sampler. The loaders now draw from spawned streams of training.seed."""
+    import numpy as np
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data import loader as loader_mod
+    from gem.data.parquet import ParquetLoader, write_splits
+    from gem.data.synthetic import build_splits
+
+    spec = SyntheticDataSpec(num_users=50, num_ads=20, num_train_examples=64, num_eval_examples=8, mean_history_len=4)
+    train, eval_ = build_splits(spec)
+    n = len(train)
+    # the synthetic world's streams (gem/data/synthetic.py): world, split samplers, streamed chunks
+    world = [[spec.seed, 0]] + [[spec.seed, 1, split] for split in range(4)] + \
+            [[spec.seed, 3, split, i] for split in range(2) for i in range(4)]
+
+    def world_orders(size):
+        return [np.random.default_rng(entropy).permutation(size).tolist() for entropy in world]
+
+    monkeypatch.setattr(loader_mod, "make_batch", lambda examples, index, **kw: index)  # the order handed out
+    loader = loader_mod.ShardedLoader(train, batch_size=n, max_seq_len=8, rank=0, world_size=1, seed=spec.seed)
+    orders = [loader.next_batch().tolist() for _ in range(8)]  # one batch per epoch
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    taken = world_orders(n)
+    assert not [e for e, o in enumerate(orders) if o in taken]
+
+    # 16 row groups of 4 rows: the epoch's row-group order
+    parquet = ParquetLoader(write_splits(train, eval_, tmp_path / "pq", rows_per_group=4) / "train",
+                            batch_size=4, max_seq_len=8, seed=spec.seed)
+    groups = len(parquet.source.groups)
+    assert groups == 16
+    taken = world_orders(groups)
+    assert not [e for e in range(4) if parquet._epoch_groups(e).tolist() in taken]

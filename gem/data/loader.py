@@ -26,6 +26,22 @@ import numpy as np
 from gem.data.batch import Batch, make_batch
 from gem.data.synthetic import Examples
 
+#: The training loaders' random streams (numpy SeedSequence spawn keys under training.seed), one per
+#: use. Plain entropy [seed, ...] made them the synthetic world's own streams whenever training.seed
+#: equalled data.synthetic.seed (both default to 0): ShardedLoader's epoch 0 order came from the
+#: world's generator ([seed, 0]), epoch 1's from the train split's sampler ([seed, 1] is numpy's
+#: [seed, 1, 0]), a Parquet epoch's row-group order from split e's sampler; and loaders used together
+#: shared streams (ShardedLoader epoch 17 = MixedLoaders' source choice of batch 0). A spawn key
+#: keeps each apart from every plain-entropy stream and from the others.
+LOADER_STREAMS = 0x6C6F6164  # "load"
+EPOCH_ORDER, MIXED_STREAM, MIXED_COUNTS, MIXED_SOURCE, PARQUET_GROUPS, PARQUET_WINDOW = range(1, 7)
+
+
+def loader_rng(seed: int, stream: int, *words: int) -> np.random.Generator:
+    """The generator of loader stream `stream` (EPOCH_ORDER, ...) of training.seed `seed`, at `words`
+    (an epoch, a batch position, ...)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, *words], spawn_key=(LOADER_STREAMS, stream)))
+
 
 def locate(position: int, anchor: tuple[int, int, Any] | None, *, per_epoch: int,
            left_from: Callable[[int, Any], int], what: str, fresh: Any = 0) -> tuple[int, Any, int]:
@@ -97,7 +113,7 @@ class ShardedLoader:
     def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
         """This rank's share of the epoch's permutation from example `offset` on."""
         if (epoch, offset) != self._key:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            perm = loader_rng(self.seed, EPOCH_ORDER, epoch).permutation(len(self.examples))
             self._shard, self._key = perm[offset + self.rank :: self.world_size], (epoch, offset)
         return self._shard
 

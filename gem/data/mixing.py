@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gem.data.batch import Batch, make_batch
-from gem.data.loader import locate
+from gem.data.loader import MIXED_COUNTS, MIXED_SOURCE, MIXED_STREAM, loader_rng, locate
 from gem.data.synthetic import Examples
 
 
@@ -87,7 +87,7 @@ class _Stream:
 
     def _shard_of(self, epoch: int, offset: int = 0) -> np.ndarray:
         if (epoch, offset) != self._key:
-            perm = np.random.default_rng([self.seed, 11, self.k, epoch]).permutation(self.n)
+            perm = loader_rng(self.seed, MIXED_STREAM, self.k, epoch).permutation(self.n)
             self._shard = perm[offset + self.rank :: self.world_size][: self._len_from(offset)]
             self._key = (epoch, offset)
         return self._shard
@@ -122,7 +122,7 @@ class MixedLoader:
 
     def counts_at(self, position: int) -> np.ndarray:
         """Examples of each source in batch `position` (identical on every rank)."""
-        return np.random.default_rng([self.seed, 13, position]).multinomial(self.batch_size, self.weights)
+        return loader_rng(self.seed, MIXED_COUNTS, position).multinomial(self.batch_size, self.weights)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "cursors": list(self.cursors),
@@ -173,8 +173,7 @@ class MixedLoaders:
         self.seed, self.position, self.batch_size = seed, 0, batch_size
 
     def source_at(self, position: int) -> str:
-        return self.names[int(np.random.default_rng([self.seed, 17, position]).choice(len(self.names),
-                                                                                        p=self.weights))]
+        return self.names[int(loader_rng(self.seed, MIXED_SOURCE, position).choice(len(self.names), p=self.weights))]
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "loaders": {n: l.state_dict() for n, l in self.loaders.items()}}

@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem.data.batch import Batch, make_batch
-from gem.data.loader import locate
+from gem.data.loader import PARQUET_GROUPS, PARQUET_WINDOW, loader_rng, locate
 from gem.data.synthetic import Examples
 
 # 1: ids, surface, dense, click/conversion (+ p_*), seq_ad_id/campaign_id/type/timestamp.
@@ -448,7 +448,7 @@ class ParquetLoader:
 
     def _epoch_groups(self, epoch: int) -> np.ndarray:
         """The order of all row groups in an epoch (the same on every rank)."""
-        return np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.source.groups))
+        return loader_rng(self.seed, PARQUET_GROUPS, epoch).permutation(len(self.source.groups))
 
     def _rows(self, epoch: int, layouts: tuple[Layout, ...]) -> _Rows:
         """The rows of an epoch left after `layouts` consumed their batches, in epoch order."""
@@ -466,7 +466,7 @@ class ParquetLoader:
 
     def _window_batches(self, epoch: int, w: int, lengths: np.ndarray | None, n_batches: int) -> list[np.ndarray]:
         """Window w's batches, in the order handed out, as indices into the window's rows."""
-        rng = np.random.default_rng([self.seed, 2, epoch, w])
+        rng = loader_rng(self.seed, PARQUET_WINDOW, epoch, w)
         index = rng.permutation(n_batches * self.batch_size)
         if self.sort_by_length:
             index = index[np.argsort(np.minimum(lengths[index], self.max_seq_len), kind="stable")]
