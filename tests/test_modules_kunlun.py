@@ -199,6 +199,16 @@ def test_bf16_autocast_is_close_to_fp32(batch):
     for t in want:
         assert want[t].abs().max() > 0.05  # the logits are not ~0, so atol below is a real bound
         torch.testing.assert_close(got[t], want[t], atol=1e-2, rtol=1e-2)
+    # Gradients too (bf16's eps in the RMSNorms once put some 70% off): relative error of each parameter's.
+    grads = []
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model.loss(batch)[0]
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for n, g in grads[0].items():
+        assert float((grads[1][n] - g).norm() / g.norm().clamp_min(1e-12)) < 0.1, n
 
 
 def test_padded_baseline_equals_block_attention_when_one_block_holds_everything(batch):
