@@ -275,6 +275,9 @@ NONSENSE_CONFIGS = {
                                                                                            num_surfaces=0)), ""),
     "features.event_tables": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(
         CFG.features, event_tables=("nope",))), "KeyError at forward"),
+    "features.tables\\[item\\].num_buckets": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(
+        CFG.features, tables=tuple(dataclasses.replace(t, num_buckets=0) if t.name == "item" else t
+                                   for t in CFG.features.tables))), "ZeroDivisionError when ids are hashed"),
     "sparse feature user: pooling": (lambda: dataclasses.replace(CFG, features=dataclasses.replace(CFG.features, sparse=(
         dataclasses.replace(CFG.features.sparse[0], pooling="avg"),) + CFG.features.sparse[1:])), "summed"),
     "tasks": (lambda: dataclasses.replace(CFG, tasks=()), "TypeError in the loss"),

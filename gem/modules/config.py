@@ -192,6 +192,11 @@ class KunlunConfig:
         if not self.tasks:
             raise ValueError("tasks must name at least one task (e.g. gem.modules.config.FUNNEL_TASKS)")
         _unique("tasks", [t.name for t in self.tasks])
+        for t in self.features.tables:
+            _at_least(1, f"features.tables[{t.name}].", num_buckets=t.num_buckets)
+        _at_least(0, "features.", num_dense=self.features.num_dense)
+        for c in self.features.content:
+            _at_least(1, f"features.content[{c.name}].", dim=c.dim)
         tables = [t.name for t in self.features.tables]
         for field, names in (("features.sparse", [s.table for s in self.features.sparse]),
                              ("features.event_tables", list(self.features.event_tables))):
