@@ -232,3 +232,14 @@ def test_an_empty_batch_gives_empty_logits_and_a_zero_loss(degenerate_models):
         loss, _ = model.loss(inputs)
         loss.backward()
         assert float(loss.detach()) == 0.0, name
+
+
+def test_an_event_type_outside_the_schema_is_refused_naming_seq_type():
+    """seq_type 4 (or -1) names no event type: such events were dropped from the history silently."""
+    from gem.modules import from_v1_batch
+
+    for bad in (4, -1):
+        ex = dict(_history(10, 7), types=np.array([0, 1, 2, 3, bad, 0, 1, 2, 3, 0]))
+        with pytest.raises(ValueError, match=r"seq_type must be in \[0, 4\): 0 impression, 1 click.*got values in"):
+            from_v1_batch(_v1_batch([ex]))
+    from_v1_batch(_v1_batch([_history(10, 7)]))  # 0-3: fine

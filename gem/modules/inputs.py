@@ -52,6 +52,12 @@ def split_by_type(offsets: torch.Tensor, types: torch.Tensor, timestamps: torch.
                   surface: torch.Tensor | None = None) -> dict[str, EventSequence]:
     """One typed jagged history -> one jagged sequence per event type (order kept)."""
     B = offsets.numel() - 1
+    if types.numel():
+        lo, hi = int(types.min()), int(types.max())
+        if lo < 0 or hi >= len(type_names):  # such events were dropped without a word
+            raise ValueError(f"seq_type must be in [0, {len(type_names)}): "
+                             + ", ".join(f"{i} {n}" for i, n in enumerate(type_names))
+                             + f"; got values in [{lo}, {hi}]")
     seg = torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff())
     out = {}
     for i, name in enumerate(type_names):
