@@ -285,6 +285,23 @@ def test_local_replicas_get_gpus_of_their_own(client, root, monkeypatch):
     assert dict(client.all_logs(job)) == {"gpus-train-master-0": "3", "gpus-train-worker-0": "7"}
 
 
+def test_a_resume_the_environment_would_break_is_refused_and_stays_suspended(client, root, monkeypatch):
+    job = fake(client).submit({**training("later", nodes=1), "spec": {**training("later", nodes=1)["spec"],
+                                                                       "suspend": True}})
+    client.wait(job, until=["Suspended"], timeout=30)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    client.backend._patch_job = None
+    d = store.job_dir(root, "GEMTraining", "default", "later")
+    pytorchjob = yaml.safe_load((d / "pytorchjob.yaml").read_text())
+    for rs in pytorchjob["spec"]["pytorchReplicaSpecs"].values():
+        rs["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "2"}}
+    store.write_yaml(d / "pytorchjob.yaml", pytorchjob)
+    with pytest.raises(ValidationError, match="spec.resources.gpusPerNode: the job's replicas ask for 2"):
+        client.resume(job)
+    after = client.get(job)
+    assert after.spec.suspend is True and after.status.phase == "Suspended"
+
+
 def test_wait_times_out_and_delete_stops_the_processes(client, root):
     job = fake(client, "sleep").submit(training("sleepy"))
     running = client.wait(job, until=["Running"], timeout=30)

@@ -480,8 +480,6 @@ class LocalBackend(Backend):
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         self._read(kind, ns, name)
         d = self._dir(kind, ns, name)
-        if suspend is False:  # a resume starts a supervisor
-            self._check_environment(store.read_yaml(d / store.PYTORCHJOB_FILE) or {}, kind=kind, namespace=ns, name=name)
         resume = False
         try:
             with store.locked(d):  # the supervisor writes object.yaml under the same lock
@@ -501,6 +499,9 @@ class LocalBackend(Backend):
                     meta["generation"] = int(meta.get("generation") or 1) + 1
                     # A supervisor that recorded Suspended has exited (or is exiting): start a new one.
                     resume = not suspend and phase_of(obj) == Phase.suspended.value
+                    if resume:  # refused before anything changes: the new supervisor would fail
+                        self._check_environment(store.read_yaml(d / store.PYTORCHJOB_FILE) or {},
+                                                kind=kind, namespace=ns, name=name)
                     changed = True
                 if changed:
                     meta["resourceVersion"] = str(int(meta.get("resourceVersion") or 0) + 1)
