@@ -9,7 +9,7 @@ import pytest
 
 from gem.launcher import JobFailure, LocalPyTorchJob, RestartBackOff, training_operator_env
 from gem.launcher.env import container_env
-from gem.launcher.local import restart_backoff_from_env
+from gem.launcher.local import LOW_PORT, ephemeral_ports, restart_backoff_from_env
 from tests.kubeapi.testing import pytorchjob
 
 
@@ -187,6 +187,18 @@ def test_stop_leaves_no_worker_of_a_replica_behind(tmp_path):
             break
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def test_rendezvous_ports_are_outside_the_ephemeral_range(tmp_path):
+    """The master port came from bind(0): a port of the range the kernel gives every outgoing
+    connection, which one (another local job's, MLflow's) could take before torchrun binds it."""
+    lo, _ = ephemeral_ports()
+    if lo - LOW_PORT < 1000:
+        pytest.skip(f"this machine's ephemeral range starts at {lo}: no room below it")
+    jobs = [LocalPyTorchJob(pytorchjob("p", ["true"]), tmp_path / str(i)) for i in range(20)]
+    assert all(LOW_PORT <= job.master_port < lo for job in jobs), [job.master_port for job in jobs]
+    env = dict(jobs[0].pods["p-master-0"].extra_env)
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(jobs[0].master_port)
 
 
 def test_failure_now_names_the_replica_that_may_not_restart(tmp_path):

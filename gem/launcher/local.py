@@ -31,7 +31,8 @@ No cluster, no containers, no torch import. Two layers:
 
 * `LocalPyTorchJob` creates a `LocalPod` per replica with exactly the environment
   training-operator v1.9 injects (see `gem.launcher.env`), mapping the master's Service
-  address to 127.0.0.1 and its port to a free local port, and decides the job's outcome
+  address to 127.0.0.1 and its port to a free local port (`free_port`: below the kernel's
+  ephemeral range, which outgoing connections draw from), and decides the job's outcome
   like the operator: the job succeeds when the master succeeds (all workers when there is
   no master). Replicas with restartPolicy OnFailure/Always (what gem.api.render renders)
   restart in place, and the job fails where v1.9's PastBackoffLimit would: once the summed
@@ -64,6 +65,7 @@ import base64
 import datetime as dt
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -124,8 +126,38 @@ def pod_processes(sandbox: str | os.PathLike, pod_name: str) -> list[int]:
     return out
 
 
+#: Where `free_port` looks first: below the kernel's ephemeral range, above the ports that
+#: development servers commonly take (5000, 8000, 8080, 9000...).
+LOW_PORT = 15000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the source ports of outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+    """A TCP port that was free a moment ago on 127.0.0.1, for a job's rendezvous.
+
+    Picked at random below the ephemeral range where there is room: the kernel gives ports of that
+    range to every outgoing connection (this machine's other jobs', MLflow's...), and one that
+    took the port between this pick and the rendezvous' bind would fail the job (EADDRINUSE).
+    """
+    lo, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - LOW_PORT >= 1000 else 0):
+        port = rng.randrange(LOW_PORT, lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
