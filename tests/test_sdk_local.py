@@ -197,7 +197,9 @@ def _pods(client: GEMClient, name: str) -> dict[str, dict]:
             for p in yaml.safe_load((d / "pods.yaml").read_text())["items"]}
 
 
-def test_backoff_limit_restarts_the_gang(client):
+@pytest.mark.parametrize("backoff", ["0", "0.1"])  # 0: restarts at once
+def test_backoff_limit_restarts_the_gang(client, monkeypatch, backoff):
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", backoff)
     job = fake(client, "flaky-worker").submit(training("flaky", runPolicy={"backoffLimit": 2}))
     final = client.wait(job, timeout=60)
     assert final.status.phase == "Succeeded"

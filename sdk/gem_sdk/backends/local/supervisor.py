@@ -269,10 +269,7 @@ class Supervisor:
                     return True
         except FileNotFoundError:
             raise _Stop() from None
-        with _signals_deferred():
-            for n, info in self.run.replicas.items():  # resumed while stopping: start the gang again
-                info.pod.restart(count=n in self.restart_counted)  # else not a failure: new pods
-        self._restarted()
+        self._restart_gang()  # resumed while stopping: start the gang again
         return False
 
     # ------------------------------------------------------------------ lifecycle
@@ -359,23 +356,24 @@ class Supervisor:
             with _signals_deferred():
                 self.run.stop()  # gang restart: every replica, so the rendezvous starts afresh
             self.restart_at, self.restart_counted = time.monotonic() + delay, failed
+            self.write()
             if delay <= 0:
                 self._restart_gang()
         self.write()
         return False
 
     def _restart_gang(self) -> None:
-        """Start every replica again, in place (the previous logs kept as `<log>.previous`)."""
+        """Start every replica again, in place (the previous logs kept as `<log>.previous`); only
+        the replicas that failed count it (no failure: a resume while stopping, new pods)."""
+        pending = self.restart_at is not None
         with _signals_deferred():
             self.run.stop()
             for n, info in self.run.replicas.items():
                 info.pod.restart(count=n in self.restart_counted)
-        self._restarted()
-        self._cond("Restarting", "False", "PyTorchJobRestarting", "")
-        self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
-
-    def _restarted(self) -> None:
         self.restart_at, self.restart_counted = None, set()
+        if pending:
+            self._cond("Restarting", "False", "PyTorchJobRestarting", "")
+            self._cond("Running", "True", "PyTorchJobRunning", f"PyTorchJob {self.namespace}/{self.name} is running.")
 
     def main(self) -> int:
         try:
