@@ -258,6 +258,8 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
         ({"precision": "fp32", "deepspeed": {"bfloat16": {"enabled": True}}}, {}, "bfloat16"),
         ({"precision": "bf16", "deepspeed": {"fp16": {"enabled": True}}}, {}, "fp16"),
         ({"precision": "bf16", "deepspeed": {"bf16": True}}, {}, "bf16"),  # not a section
+        # the spec's gradClip (before, the override won for the dense weights only; the spec said otherwise)
+        ({"gradClip": 1.0, "deepspeed": {"gradient_clipping": 5.0}}, {}, "gradient_clipping"),
     ],
 )
 def test_deepspeed_overrides_that_contradict_the_spec_are_not_runnable(training, parallelism, key):
@@ -300,6 +302,19 @@ def test_deepspeed_overrides_that_agree_with_the_spec_are_runnable(training, par
     worse = {**training, "deepspeed": {**training["deepspeed"], "gradient_accumulation_steps": 2}}
     problems = runnable_problems(_gemt(training=worse, parallelism=parallelism))
     assert [p.split(": ", 1)[0] for p in problems] == ["spec.training.deepspeed.gradient_accumulation_steps"]
+
+
+@pytest.mark.parametrize("key", ["optimizer", "scheduler"])
+def test_deepspeed_sections_deepspeed_ignores_are_not_runnable(key):
+    """The trainer hands DeepSpeed its own AdamW and warmup + cosine schedule: DeepSpeed then ignores
+    these sections (the job trained at spec.training.learningRate whatever they said)."""
+    from gem.api.validation import runnable_problems
+
+    section = {"type": "Adam", "params": {"lr": 0.5}} if key == "optimizer" else {"type": "WarmupLR"}
+    problems = runnable_problems(_gemt(training={"deepspeed": {key: section}}))
+    assert len(problems) == 1 and problems[0].startswith(f"spec.training.deepspeed.{key}: the trainer hands"), problems
+    assert "DeepSpeed ignores this section" in problems[0] and "spec.training." in problems[0].split(": ", 1)[1]
+    assert runnable_problems(_gemt(training={"gradClip": 0.5, "deepspeed": {"gradient_clipping": 0.5}})) == []
 
 
 def test_train_batch_size_is_checked_against_the_plan_the_operator_renders():

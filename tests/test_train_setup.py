@@ -209,6 +209,15 @@ def test_deepspeeds_own_autocast_under_fp32_is_a_config_error(tmp_path, capsys):
     assert checkpoint.latest_complete(tmp_path / "ckpt/local/dsautocast") is None
 
 
+def test_optimizer_sections_deepspeed_would_ignore_are_a_config_error(tmp_path, capsys):
+    """With the trainer's AdamW and schedule handed in, DeepSpeed ignored an `optimizer` / `scheduler`
+    section: this job trained at learningRate 0.002, not 0.5, and exited 0."""
+    path = manifest(tmp_path, "dsopt", training={"learningRate": 0.002, "deepspeed": {
+        "optimizer": {"type": "Adam", "params": {"lr": 0.5}}}})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.training.deepspeed.optimizer")
+    assert "spec.training.learningRate" in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
 def test_deepspeed_dtype_overrides_that_agree_keep_the_spec_precision(tmp_path, monkeypatch):
     """What validation lets through trains as the spec says: bf16 forward, bf16 module, bf16 gradients
     (DeepSpeed's data_types and torch_autocast, said again)."""

@@ -82,6 +82,20 @@ DEEPSPEED_BATCH_KEYS = {
     "train_micro_batch_size_per_gpu": "remove it and set spec.training.batchSize instead",
     "train_batch_size": "remove it: it is spec.training.batchSize x the data-parallel ranks",
 }
+#: Other keys the trainer derives from a spec field. An override won over the field in DeepSpeed only:
+#: the expert and embedding-row shards stepped outside DeepSpeed (gem/train/optim.py) kept clipping with
+#: spec.training.gradClip, and the spec said another clip than the one the dense weights got.
+DEEPSPEED_SPEC_KEYS = {
+    "gradient_clipping": "remove it and set spec.training.gradClip (0 disables clipping)",
+}
+#: Sections DeepSpeed ignores next to the optimizer and LR schedule the trainer hands it
+#: (deepspeed.initialize(optimizer=, lr_scheduler=)): an override here changed nothing, silently.
+DEEPSPEED_IGNORED_KEYS = {
+    "optimizer": "the trainer hands DeepSpeed its own AdamW, so DeepSpeed ignores this section; remove it and "
+                 "set spec.training.learningRate / weightDecay",
+    "scheduler": "the trainer hands DeepSpeed its own warmup + cosine schedule, so DeepSpeed ignores this "
+                 "section; remove it and set spec.training.warmupSteps / steps",
+}
 
 #: DeepSpeed's precision sections ("bfloat16" is its old name for "bf16"): the trainer derives them
 #: from spec.training.precision, which the rest of the job reads too (the autocast around each step,
@@ -110,14 +124,16 @@ def _dtype_name(value: Any) -> str | None:
     """'fp32' / 'bf16' / 'fp16' for one of DeepSpeed's names of it, else None."""
     return next((name for name, names in _DTYPE_NAMES.items() if str(value) in names), None)
 
+
 def derived_deepspeed_keys(training: Any, *, data_world: int) -> dict[str, Any]:
-    """The batch and precision keys of the DeepSpeed config the trainer derives from `training`, with
+    """The batch, clipping and precision keys of the DeepSpeed config the trainer derives from `training`, with
     `data_world` data-parallel ranks (world size / tp)."""
     precision = str(getattr(training.precision, "value", training.precision))
     return {
         "train_micro_batch_size_per_gpu": training.batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": training.batch_size * data_world,
+        "gradient_clipping": training.grad_clip,
         # mxfp8: apply_precision (gem/train/precision.py) swaps the Linears for MXFP8 ones; DeepSpeed
         # itself runs its bf16 mode around them (bf16 module and autocast, fp32 master weights)
         "bf16": {"enabled": precision in ("bf16", "mxfp8")},
@@ -130,14 +146,18 @@ def _enabled(section: Any) -> bool:
 
 def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any]) -> list[tuple[str, str]]:
     """(spec.training.deepspeed.<key>, problem) for each override that differs from the `derived`
-    config: a batch key `derived` holds, a precision section whose `enabled` differs (a section
+    config: a batch key or gradient_clipping `derived` holds, optimizer / scheduler (which DeepSpeed
+    ignores next to the trainer's), a precision section whose `enabled` differs (a section
     that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key), or amp /
     torch_autocast / data_types that would train in another dtype (_dtype_override_problems)."""
     problems = []
-    for key, fix in DEEPSPEED_BATCH_KEYS.items():
+    for key, fix in {**DEEPSPEED_BATCH_KEYS, **DEEPSPEED_SPEC_KEYS}.items():
         if key in overrides and key in derived and overrides[key] != derived[key]:
             problems.append((f"spec.training.deepspeed.{key}",
                              f"{overrides[key]!r} differs from the trainer's {derived[key]!r}; {fix}"))
+    for key, why in DEEPSPEED_IGNORED_KEYS.items():
+        if key in overrides:
+            problems.append((f"spec.training.deepspeed.{key}", why))
     for key in DEEPSPEED_PRECISION_KEYS:
         if key not in overrides:
             continue

@@ -187,9 +187,8 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
     input, not DeepSpeed's: it is left out.
     """
     config: dict[str, Any] = {
-        # batch and precision keys: the ones runnable_field_problems checks overrides against too
+        # batch, clipping and precision keys: the ones runnable_field_problems checks overrides against too
         **derived_deepspeed_keys(training, data_world=world_size),
-        "gradient_clipping": training.grad_clip,
         "zero_optimization": {"stage": parallelism.zero_stage},
         "steps_per_print": 10**9,  # the trainer logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
