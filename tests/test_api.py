@@ -260,6 +260,9 @@ def test_queue_priority_and_platform_defaults_reach_the_job():
         ({"precision": "bf16", "deepspeed": {"bf16": True}}, {}, "bf16"),  # not a section
         # the spec's gradClip (before, the override won for the dense weights only; the spec said otherwise)
         ({"gradClip": 1.0, "deepspeed": {"gradient_clipping": 5.0}}, {}, "gradient_clipping"),
+        # spec.parallelism.zeroStage (the plan's rules, resume's check): before, the override won in DeepSpeed
+        ({"deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}}}, {"zeroStage": 1},
+         "zero_optimization.stage"),
     ],
 )
 def test_deepspeed_overrides_that_contradict_the_spec_are_not_runnable(training, parallelism, key):
@@ -315,6 +318,9 @@ def test_deepspeed_sections_deepspeed_ignores_are_not_runnable(key):
     assert len(problems) == 1 and problems[0].startswith(f"spec.training.deepspeed.{key}: the trainer hands"), problems
     assert "DeepSpeed ignores this section" in problems[0] and "spec.training." in problems[0].split(": ", 1)[1]
     assert runnable_problems(_gemt(training={"gradClip": 0.5, "deepspeed": {"gradient_clipping": 0.5}})) == []
+    assert runnable_problems(_gemt(parallelism={"zeroStage": 2}, training={"deepspeed": {
+        "zero_optimization": {"stage": 2, "overlap_comm": True}}})) == []
+    assert runnable_problems(_gemt(training={"deepspeed": {"zero_optimization": {"overlap_comm": True}}})) == []
 
 
 def test_train_batch_size_is_checked_against_the_plan_the_operator_renders():

@@ -209,6 +209,19 @@ def test_deepspeeds_own_autocast_under_fp32_is_a_config_error(tmp_path, capsys):
     assert checkpoint.latest_complete(tmp_path / "ckpt/local/dsautocast") is None
 
 
+def test_a_zero_stage_override_is_refused_by_the_trainer_too():
+    """zero_optimization.stage merged over spec.parallelism.zeroStage: DeepSpeed ran the override while
+    the plan's rules (ep / sparseShard only at ZeRO-1/2) and resume's check read zeroStage."""
+    from gem.api.types import ParallelismSpec, TrainingSpec
+    from gem.train.dist import deepspeed_config
+
+    training = TrainingSpec.model_validate({"deepspeed": {"zero_optimization": {"stage": 3}}})
+    with pytest.raises(SpecError, match=r"^spec\.training\.deepspeed\.zero_optimization\.stage: 3 differs from "
+                                        r"the trainer's 1; .*spec\.parallelism\.zeroStage"):
+        deepspeed_config(training, ParallelismSpec(zeroStage=1), world_size=1)
+    assert deepspeed_config(training, ParallelismSpec(zeroStage=3), world_size=1)["zero_optimization"]["stage"] == 3
+
+
 def test_optimizer_sections_deepspeed_would_ignore_are_a_config_error(tmp_path, capsys):
     """With the trainer's AdamW and schedule handed in, DeepSpeed ignored an `optimizer` / `scheduler`
     section: this job trained at learningRate 0.002, not 0.5, and exited 0."""

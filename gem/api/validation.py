@@ -146,8 +146,8 @@ def _enabled(section: Any) -> bool:
 
 def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any]) -> list[tuple[str, str]]:
     """(spec.training.deepspeed.<key>, problem) for each override that differs from the `derived`
-    config: a batch key or gradient_clipping `derived` holds, optimizer / scheduler (which DeepSpeed
-    ignores next to the trainer's), a precision section whose `enabled` differs (a section
+    config: a batch key, gradient_clipping or zero_optimization.stage `derived` holds, optimizer /
+    scheduler (which DeepSpeed ignores next to the trainer's), a precision section whose `enabled` differs (a section
     that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key), or amp /
     torch_autocast / data_types that would train in another dtype (_dtype_override_problems)."""
     problems = []
@@ -158,6 +158,14 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
     for key, why in DEEPSPEED_IGNORED_KEYS.items():
         if key in overrides:
             problems.append((f"spec.training.deepspeed.{key}", why))
+    zero, stage = overrides.get("zero_optimization"), (derived.get("zero_optimization") or {}).get("stage")
+    if "zero_optimization" in overrides and stage is not None and (
+            not isinstance(zero, dict) or zero.get("stage", stage) != stage):
+        # the plan's rules (ep / sparseShard at ZeRO-1/2), resume's check and the report read zeroStage
+        where = "spec.training.deepspeed.zero_optimization" + (".stage" if isinstance(zero, dict) else "")
+        value = zero.get("stage") if isinstance(zero, dict) else zero
+        problems.append((where, f"{value!r} differs from the trainer's {stage!r}; remove it and set "
+                                "spec.parallelism.zeroStage"))
     for key in DEEPSPEED_PRECISION_KEYS:
         if key not in overrides:
             continue
@@ -253,7 +261,8 @@ def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
     data_world = _planned_data_world(spec) if "train_batch_size" in overrides else None
     if data_world is None and tp is not None and world % tp == 0:
         data_world = world // tp
-    derived = derived_deepspeed_keys(spec.training, data_world=data_world or world)
+    derived = {**derived_deepspeed_keys(spec.training, data_world=data_world or world),
+               "zero_optimization": {"stage": spec.parallelism.zero_stage}}
     if data_world is None:
         # The data-parallel ranks are world / tp, and the trainer's plan picks tp (or refuses a tp that
         # does not divide the world, with its own message): refuse only a global batch no tp could give;
