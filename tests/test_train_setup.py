@@ -222,6 +222,16 @@ def test_a_zero_stage_override_is_refused_by_the_trainer_too():
     assert deepspeed_config(training, ParallelismSpec(zeroStage=3), world_size=1)["zero_optimization"]["stage"] == 3
 
 
+@pytest.mark.parametrize(("override", "named"), [({"zero_optimization": {"stagee": 2}}, "stagee"),
+                                               ({"nebula": {"enabled": True}}, "nebula")])
+def test_an_override_deepspeed_refuses_is_a_config_error_naming_training_deepspeed(tmp_path, capsys, override, named):
+    """A misspelt key in a DeepSpeed section (its pydantic models forbid extras) or a key DeepSpeed 0.19
+    removed failed deepspeed.initialize with exit 1 and a message that did not name the spec field."""
+    path = manifest(tmp_path, "dsbad", training={"deepspeed": override})
+    config_error(tmp_path, capsys, ["train", "--config", str(path)], "spec.training.deepspeed: DeepSpeed ")
+    assert named in json.loads((tmp_path / "termination-log").read_text())["error"]
+
+
 def test_optimizer_sections_deepspeed_would_ignore_are_a_config_error(tmp_path, capsys):
     """With the trainer's AdamW and schedule handed in, DeepSpeed ignored an `optimizer` / `scheduler`
     section: this job trained at learningRate 0.002, not 0.5, and exited 0."""

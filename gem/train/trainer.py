@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pydantic
 import torch
 
 from gem.data import Batch
@@ -79,6 +80,7 @@ class Trainer:
 
     def _setup(self) -> None:
         import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfigError
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
@@ -113,8 +115,15 @@ class Trainer:
             optimizer, scheduler = build_optimizer(model, training, params=dense)
         ds_config = deepspeed_config(training, self.spec.parallelism, world_size=self.env.world_size,
                                      plan=self.parallel.job.plan)
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=self.parallel.mpu)
+        try:
+            self.engine, _, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=self.parallel.mpu)
+        except (DeepSpeedConfigError, pydantic.ValidationError) as e:
+            if not training.deepspeed:
+                raise
+            # the config the spec derives is valid: what DeepSpeed refuses came with training.deepspeed
+            raise SpecError(f"spec.training.deepspeed: DeepSpeed {deepspeed.__version__} refuses the config merged "
+                            f"from it: {type(e).__name__}: {e}; fix or remove that key") from e
         if self.shard_opt is not None:
             self.shard_opt.attach(self.engine)
         # tensor- and context-parallel peers read the same data shard
