@@ -246,3 +246,19 @@ def test_the_loaders_random_streams_are_not_the_synthetic_worlds(tmp_path, monke
     assert groups == 16
     taken = world_orders(groups)
     assert not [e for e in range(4) if parquet._epoch_groups(e).tolist() in taken]
+
+
+@pytest.mark.parametrize("message", ["line\n" * 2000, '"quoted" ' * 1000, "é" * 3000])
+def test_a_long_error_report_is_valid_json(tmp_path, monkeypatch, message):
+    """The termination message (Kubernetes keeps 4096 bytes) of a long error: cut at a byte count of
+    the raw message, its JSON (newlines and quotes escaped to 2 bytes, non-ASCII to 6) outgrew the
+    limit, and the last-resort cut left invalid JSON, which the operator's status cannot read."""
+    from gem.train import report
+
+    path = tmp_path / "termination-log"
+    monkeypatch.setenv(report.ENV_PATH, str(path))
+    report.write(report.error_payload(RuntimeError(message)))
+    assert len(path.read_bytes()) <= report.MAX_BYTES
+    error = json.loads(path.read_text())["error"]
+    assert error.startswith("RuntimeError: " + message[:100]) and error.endswith("…")
+    assert len(path.read_bytes()) > report.MAX_BYTES - 8  # cut no shorter than it must be

@@ -43,8 +43,16 @@ def fit(payload: dict[str, Any]) -> str:
                 return text
         payload["metrics"] = {}
     if "error" in payload:
-        overhead = len(_dumps({**payload, "error": ""}).encode())
-        payload["error"] = payload["error"].encode()[: MAX_BYTES - overhead - 16].decode(errors="ignore") + "…"
+        # the longest prefix whose JSON fits: JSON escapes newlines and quotes (2 bytes), non-ASCII
+        # (\uXXXX, 6), so cutting the message at a byte count left invalid JSON for the last cut below
+        error, lo, hi = payload["error"], 0, len(payload["error"])
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(_dumps({**payload, "error": error[:mid] + "…"}).encode()) <= MAX_BYTES:
+                lo = mid
+            else:
+                hi = mid - 1
+        payload["error"] = error[:lo] + "…"
     text = _dumps(payload)
     return text if len(text.encode()) <= MAX_BYTES else text.encode()[:MAX_BYTES].decode(errors="ignore")
 
