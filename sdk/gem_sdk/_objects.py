@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -430,53 +429,3 @@ def pod_selector(kind: str, name: str, replica: str | None, index: int | None) -
             raise ValidationError(f"index must be >= 0, got {index}")
         selector += f",{LABEL_REPLICA_INDEX}={index}"
     return selector
-
-
-# --------------------------------------------------------------------------- label selectors
-
-_REQ = re.compile(
-    r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9._/-]+)\s*"
-    r"(?:(?P<op>==|=|!=)\s*(?P<val>[A-Za-z0-9._-]*)|\s+(?P<setop>in|notin)\s*\((?P<set>[^)]*)\))?\s*$"
-)
-
-
-def _split_selector(selector: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in selector:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        parts.append(cur)
-    return parts
-
-
-def match_labels(selector: str | None, labels: dict[str, str]) -> bool:
-    """Whether labels match a Kubernetes label selector (=, ==, !=, in, notin, key, !key).
-
-    Raises:
-        ValidationError: the selector does not parse.
-    """
-    if not selector:
-        return True
-    for req in _split_selector(selector):
-        m = _REQ.match(req)
-        if not m or (m["neg"] and (m["op"] or m["setop"])):
-            raise ValidationError(f"invalid label selector {selector!r} near {req.strip()!r}")
-        key = m["key"]
-        if m["op"] in ("=", "=="):
-            ok = labels.get(key) == m["val"]
-        elif m["op"] == "!=":
-            ok = labels.get(key) != m["val"]
-        elif m["setop"]:
-            values = {v.strip() for v in m["set"].split(",")}
-            ok = (labels.get(key) in values) if m["setop"] == "in" else (labels.get(key) not in values)
-        else:
-            ok = (key in labels) != bool(m["neg"])
-        if not ok:
-            return False
-    return True
