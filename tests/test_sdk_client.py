@@ -57,13 +57,14 @@ def test_public_surface_is_pinned():
 def test_backends_keep_the_base_signatures(impl):
     methods = [n for n, f in inspect.getmembers(Backend, inspect.isfunction) if getattr(f, "__isabstractmethod__", False)]
     assert set(methods) == {"submit", "get", "list", "wait", "logs", "update", "pods", "metrics", "delete",
-                            "_container_log"}  # private: GEMClient.follow is built on it, not a delegate
+                            "_container_log", "_previous_log"}  # private: GEMClient.follow / logs(previous=True)
+                                                                # are built on them, not delegates
     for name in methods:
         if impl is GEMClient and name.startswith("_"):
             continue
         sig = inspect.signature(getattr(impl, name))
         # GEMClient's own last parameters: metrics' timeout (it bounds the whole read itself, on both
-        # backends), logs' previous (it reads KubernetesBackend._previous_log), delete's wait for the
+        # backends), logs' previous (it reads the backend's _previous_log), delete's wait for the
         # job to be gone
         own = {"metrics": {"timeout": None}, "logs": {"previous": False},
                "delete": {"wait": False, "timeout": None}}.get(name, {}) if impl is GEMClient else {}

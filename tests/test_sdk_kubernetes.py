@@ -770,10 +770,6 @@ def test_logs_previous_reads_the_container_before_a_restart(client, kubeapi, tmp
     r = CliRunner().invoke(gemctl_app, ["logs", "gt", "crashy", "-p", "--all-replicas",
                                         "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 2 and "--previous reads one replica's log: drop --all-replicas" in r.output, r.output
-    from gem_sdk import LocalBackendConfig
-
-    with pytest.raises(ValidationError, match=r"logs/<pod>\.log\.previous"):
-        GEMClient(LocalBackendConfig(root=str(tmp_path / "home"))).logs("crashy", previous=True)
 
 
 @pytest.fixture

@@ -263,6 +263,29 @@ def test_a_failed_replica_waits_out_its_back_off_with_its_log_in_place(client, r
     assert client.get(job).status.phase == "Restarting"
 
 
+def test_logs_previous_reads_the_container_that_failed(client, root, monkeypatch):
+    """`logs(previous=True)` (gemctl logs -p) as `kubectl logs --previous`: while the gang waits out
+    its back-off, the container that just failed; after the restart, the one before the current."""
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "600")
+    job = fake(client, "flaky", seconds=60).submit(training("loop", nodes=1, runPolicy={"backoffLimit": 3}))
+    client.wait(job, until=["Restarting"], timeout=30)
+    assert list(client.logs(job, previous=True))[-1] == "first attempt fails"
+    r = _gemctl("logs", "gt", "loop", "-p", "--local", root=root)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "first attempt fails", r.stderr
+
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "0.1")
+    done = fake(client, "flaky").submit(training("again", nodes=1, runPolicy={"backoffLimit": 3}))
+    assert client.wait(done, timeout=60).status.phase == "Succeeded"
+    assert list(client.logs(done, previous=True))[-1] == "first attempt fails"
+    assert "first attempt fails" not in list(client.logs(done))
+
+    once = fake(client).submit(training("once", nodes=1))
+    with pytest.raises(NotFoundError, match="pod once-train-master-0 of GEMTraining default/once has no previous "
+                                            "container: it has not been restarted"):
+        client.wait(once, timeout=60)
+        list(client.logs(once, previous=True))
+
+
 def test_a_bad_restart_back_off_setting_is_refused_at_submit(client, root, monkeypatch):
     monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "10s")
     with pytest.raises(ValidationError, match=r"GEM_LOCAL_RESTART_BACKOFF_S='10s' is not a number of seconds >= 0"):

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
-from gem_sdk._exceptions import GEMError, NotFoundError, ValidationError, WaitTimeoutError, describe
+from gem_sdk._exceptions import GEMError, NotFoundError, WaitTimeoutError, describe
 from gem_sdk._objects import phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
@@ -207,7 +207,7 @@ class GEMClient:
                 that ended without the pod raises NotFoundError).
             previous: The log of the pod's last terminated container instead, as
                 `kubectl logs --previous` (why a crash-looping container died): nothing is waited
-                for, and `follow` and `timeout` do not apply. Kubernetes backend only.
+                for, and `follow` and `timeout` do not apply.
 
         Returns:
             An iterator of log lines, without their newlines.
@@ -216,19 +216,12 @@ class GEMClient:
             NotFoundError: no such job, it has no such replica (one master, workers
                 0..numNodes-2), or it ended without that pod; with `previous`, the pod does not
                 exist or its container has not been restarted.
-            ValidationError: bad replica or index; `previous` on the local backend.
+            ValidationError: bad replica or index.
             WaitTimeoutError: the pod did not start within `timeout`.
             BackendError: the API or the local runtime failed.
         """
         if previous:
-            read_previous = getattr(self.backend, "_previous_log", None)
-            if read_previous is None:
-                raise ValidationError(
-                    "previous=True (gemctl logs --previous) reads a cluster's pod; locally the previous "
-                    "container's log is the file logs/<pod>.log.previous in the job's directory under the "
-                    "backend's root ($GEM_HOME or ~/.gem)"
-                )
-            return read_previous(name, kind=kind, namespace=namespace, replica=replica, index=index)
+            return self.backend._previous_log(name, kind=kind, namespace=namespace, replica=replica, index=index)
         return self.backend.logs(
             name, kind=kind, namespace=namespace, replica=replica, index=index, follow=follow, timeout=timeout
         )

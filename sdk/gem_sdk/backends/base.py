@@ -65,6 +65,20 @@ class Backend(abc.ABC):
         """Lines of one trainer pod's log, once the pod exists."""
 
     @abc.abstractmethod
+    def _previous_log(
+        self,
+        name: Ref,
+        *,
+        kind: str | None = None,
+        namespace: str | None = None,
+        replica: str = "master",
+        index: int = 0,
+    ) -> Iterator[str]:
+        """Lines of the replica's last terminated container's log, as `kubectl logs --previous` reads
+        it: in CrashLoopBackOff the one that just exited, otherwise the one before the current.
+        What `GEMClient.logs(previous=True)` reads."""
+
+    @abc.abstractmethod
     def _container_log(
         self,
         name: Ref,

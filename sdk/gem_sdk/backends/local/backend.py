@@ -628,6 +628,32 @@ class LocalBackend(Backend):
             time.sleep(POLL_S)
         return self._tail(d, pod, log, follow)
 
+    def _previous_log(self, name: Ref, *, kind: str | None = None, namespace: str | None = None,
+                      replica: str = "master", index: int = 0) -> Iterator[str]:
+        """The log of the replica's last terminated container, as `kubectl logs --previous` reads it.
+        A restart moves the old container's log to `<log>.previous`; while the gang waits out its
+        back-off (Restarting, the container terminated) the container that just failed is the last
+        terminated one, as in CrashLoopBackOff, and its log is still `<log>`."""
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
+        pod = pod_name(kind, name, replica, index)
+        obj = self._read(kind, ns, name)
+        check_replica_exists(obj, replica, index)
+        d = self._dir(kind, ns, name)
+        item = self._pod_item(d, pod)
+        ref = {"kind": kind, "namespace": ns, "name": name}
+        if item is None:
+            raise NotFoundError(f"pod {pod} of {describe(kind, ns, name)} does not exist (not started yet, or the "
+                                "job was suspended): it has no previous container", **ref)
+        state = (item["status"].get("containerStatuses") or [{}])[0].get("state") or {}
+        in_back_off = phase_of(obj) == Phase.restarting.value and "terminated" in state
+        log = d / store.LOGS_DIR / (f"{pod}.log" if in_back_off else f"{pod}.log.previous")
+        try:
+            text = log.read_text(errors="replace")
+        except FileNotFoundError:
+            raise NotFoundError(f"pod {pod} of {describe(kind, ns, name)} has no previous container: it has not "
+                                "been restarted", **ref) from None
+        return iter(text.splitlines())
+
     def _container_log(
         self,
         name: Ref,
