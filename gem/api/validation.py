@@ -13,7 +13,9 @@ import re
 from typing import Any
 
 from gem.api.types import CONFIG_MOUNT_PATH
-from gem.parallel.job import deepspeed_overrides, explicit_degrees
+from gem.parallel.job import choose_plan, deepspeed_overrides, explicit_degrees, spec_hints
+from gem.parallel.plan import DEEPSPEED_DIMS
+from gem.parallel.topology import Topology
 
 # --------------------------------------------------------------------------- what the children need
 # Values the spec passes into the PyTorchJob and its pods, which the API server (or the kubelet)
@@ -237,10 +239,6 @@ def _planned_data_world(spec: Any) -> int | None:
     operator refuses that plan with its own message)."""
     if getattr(spec, "model", None) is None:
         return None
-    from gem.parallel.job import choose_plan, spec_hints
-    from gem.parallel.plan import DEEPSPEED_DIMS
-    from gem.parallel.topology import Topology
-
     par = spec.parallelism
     try:
         topology = Topology.build(procs_per_node=par.procs_per_node, num_nodes=par.num_nodes)
