@@ -411,6 +411,18 @@ def test_setup_changes_name_what_deepspeeds_files_depend_on(tmp_path):
     assert checkpoint.setup_changes(ckpt0, wider, world_size=2) == ["spec.model.numLayers is 3, was unset"]
 
 
+def test_setup_changes_read_the_plan_where_the_planner_does(tmp_path):
+    """The deprecated training.deepspeed.parallelPlan is the plan when spec.parallelism.plan is absent:
+    moving it there (as its deprecation note says) was reported as a plan change, the cause of a
+    checkpoint that did not load for another reason; a changed legacy plan went unnamed."""
+    legacy = _spec(training={"deepspeed": {"parallelPlan": {"dpShard": 2}}}, parallelism={"zeroStage": 0})
+    ckpt = _saved_checkpoint(tmp_path, legacy.to_wire(), ranks=2)
+    moved = _spec(parallelism={"zeroStage": 0, "plan": {"dpShard": 2}})
+    assert checkpoint.setup_changes(ckpt, moved, world_size=2) == []
+    assert checkpoint.setup_changes(ckpt, _spec(parallelism={"zeroStage": 0}), world_size=2) == [
+        "spec.parallelism.plan is automatic, was {'dpShard': 2}"]
+
+
 def test_one_rule_names_the_fields_that_change_the_weights_shape(tmp_path):
     """check_student_unchanged (a distillation's restart, before the teacher loads) and setup_changes
     (why no checkpoint loads) had two rules. setup_changes named every differing spec.student /

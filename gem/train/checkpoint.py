@@ -51,6 +51,7 @@ import torch
 import yaml
 
 from gem.data.errors import SpecError
+from gem.parallel.job import PLAN_KEY
 from gem.train.dist import DistEnv, all_gather_objects, barrier, broadcast_object, failures_by_rank
 
 log = logging.getLogger("gem.train")
@@ -538,6 +539,14 @@ def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return changes
 
 
+def _given_plan(spec: dict[str, Any]) -> Any:
+    """The degrees a spec (wire form) gives: spec.parallelism.plan, else the deprecated
+    training.deepspeed.parallelPlan (gem.parallel.job.explicit_degrees' rule), so that moving the
+    one to the other, as its deprecation note says, is no change and a changed legacy plan is one."""
+    return ((spec.get("parallelism") or {}).get("plan")
+            or ((spec.get("training") or {}).get("deepspeed") or {}).get(PLAN_KEY))
+
+
 def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     """What DeepSpeed's files depend on that differs between the run that saved `ckpt` and this one
     (`spec`: the GEMTraining / LoopFMDistill spec): ZeRO stage, precision, parallel plan, world size,
@@ -558,9 +567,9 @@ def setup_changes(ckpt: Path, spec: Any, world_size: int) -> list[str]:
     bf16 = ("bf16", "mxfp8")  # mxfp8 runs DeepSpeed's bf16 mode: the same files
     if was_prec is not None and was_prec != now_prec and not (was_prec in bf16 and now_prec in bf16):
         changes.append(f"spec.training.precision is {now_prec}, was {was_prec}")
-    if was_par and was_par.get("plan") != now_par.get("plan"):
-        changes.append(f"spec.parallelism.plan is {now_par.get('plan') or 'automatic'}, "
-                       f"was {was_par.get('plan') or 'automatic'}")
+    was_plan, now_plan = _given_plan(saved), _given_plan(now)
+    if was_par and was_plan != now_plan:
+        changes.append(f"spec.parallelism.plan is {now_plan or 'automatic'}, was {was_plan or 'automatic'}")
     changes += shape_changes(saved, now)  # the weights' shapes
     ranks = len(list((ckpt / "rng").glob("rank-*.pt")))  # every rank saves its RNG state
     # ZeRO-0 resumes on any world size; ZeRO partitions and ep / sparse_shard shards do not
