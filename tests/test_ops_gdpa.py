@@ -148,3 +148,26 @@ def test_broadcast_queries_over_an_empty_batch_give_an_empty_result():
     for kernel in (Kernel.PYTORCH, Kernel.TILED):
         out = gdpa(q, empty, empty, k_offsets=make_offsets([]), broadcast_q=True, kernel=kernel)
         assert out.shape == (0, 3, 2, 4)
+
+
+def test_a_bucket_plan_of_other_lengths_is_refused():
+    """buckets planned for another batch with the same number of rows once ran silently, reading
+    rows of the wrong segments; the model's own memoised plans still pass."""
+    from gem.ops import jagged_attention
+
+    off, other = make_offsets([3, 5]), make_offsets([5, 3])
+    q = _rand(8, 2, 4)
+    dense = _rand(2, 4, 2, 4)
+    with pytest.raises(ValueError, match="planned for other query segment lengths"):
+        jagged_attention(q, q, q, off, buckets=plan_buckets(other))
+    with pytest.raises(ValueError, match="planned for other query segment lengths"):
+        gdpa(q, q, q, q_offsets=off, k_offsets=off, buckets=plan_buckets(other))
+    with pytest.raises(ValueError, match="planned for other key segment lengths"):
+        gdpa(q, q, q, q_offsets=off, k_offsets=off, buckets=plan_buckets(off, other))
+    with pytest.raises(ValueError, match="planned for other key segment lengths"):
+        gdpa(q, dense, dense, q_offsets=off, buckets=plan_buckets(off, make_offsets([3, 3])))
+    seeds = _rand(6, 2, 4)
+    with pytest.raises(ValueError, match="planned for other key segment lengths"):
+        gdpa(seeds, q, q, k_offsets=off, broadcast_q=True, buckets=plan_buckets(make_offsets([6, 6]), other))
+    good = gdpa(seeds, q, q, k_offsets=off, broadcast_q=True, buckets=plan_buckets(make_offsets([6, 6]), off))
+    torch.testing.assert_close(good, gdpa(seeds, q, q, k_offsets=off, broadcast_q=True))

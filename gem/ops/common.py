@@ -176,6 +176,18 @@ class BucketPlan:
     buckets: list[Bucket]
     q_layout: SlotLayout
     k_layout: SlotLayout  # the same object as q_layout for self-attention
+    q_lengths: np.ndarray | None = None  # the segment lengths it was planned for (check_plan)
+    k_lengths: np.ndarray | None = None
+
+    def check(self, q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> None:
+        """Refuse a plan made for other segment lengths (CPU offsets only: no device sync). Such a
+        plan once ran silently, reading rows of the wrong segments."""
+        if self.q_lengths is None or q_offsets.device.type != "cpu" or k_offsets.device.type != "cpu":
+            return
+        for side, planned, offsets in (("query", self.q_lengths, q_offsets), ("key", self.k_lengths, k_offsets)):
+            if not np.array_equal(planned, offsets.diff().numpy()):
+                raise ValueError(f"buckets were planned for other {side} segment lengths than this call's "
+                                 f"offsets: pass plan_buckets(...) of these offsets, or no buckets")
 
     @property
     def q_sizes(self) -> list[int]:
@@ -275,13 +287,13 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
         buckets.append(Bucket(ex, q_len, k_len, None if bool(kv.all()) else kv))
     q_layout = _layout(q_offsets, q_first, q_base)
     if self_attn:
-        return BucketPlan(buckets, q_layout, q_layout)
+        return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens)
     # Keys of segments without queries sit in slots after every tile (never read): a layout
     # must give every row a slot.
     orphans = np.flatnonzero((q_lens == 0) & (k_lens > 0))
     k_first[orphans] = k_base + np.concatenate([[0], np.cumsum(k_lens[orphans])[:-1]]).astype(np.int64)
     k_layout = _layout(k_offsets, k_first, k_base + int(k_lens[orphans].sum()))
-    return BucketPlan(buckets, q_layout, k_layout)
+    return BucketPlan(buckets, q_layout, k_layout, q_lens, k_lens)
 
 
 def _tile_len(lengths: np.ndarray, round_to: int) -> int:

@@ -26,6 +26,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     torch._assert(k.shape == q.shape, "k must be the same shape as q")
     torch._assert(v.shape == q.shape, "v must be the same shape as q")
     check_offsets(offsets, q.shape[0])
+    if buckets is not None:
+        buckets.check(offsets, offsets)
     if kernel == Kernel.PYTORCH:
         return pytorch_jagged_attention(q, k, v, offsets, scale=scale)
     return tiled_jagged_attention(q, k, v, offsets, scale=scale, buckets=buckets)
