@@ -198,7 +198,7 @@ def test_block_attention_refuses_a_plan_made_for_other_blocks():
     offsets = make_offsets([40, 70])
     q, k, v = _qkv(110)
     for plan in (plan_blocks(offsets, 64, shift=32), plan_blocks(offsets, 64, align="end"),
-                 plan_blocks(make_offsets([40, 71]), 64)):
+                 plan_blocks(make_offsets([40, 71]), 64), plan_blocks(make_offsets([70, 40]), 64)):
         with pytest.raises(ValueError, match="plan was made for block_size=64"):
             block_attention(q, k, v, offsets, block_size=64, plan=plan)
     torch.testing.assert_close(block_attention(q, k, v, offsets, block_size=64, plan=plan_blocks(offsets, 64)),

@@ -324,6 +324,7 @@ class BlockPlan:
     block_segment: torch.Tensor  # int64 [num_blocks], the segment each block belongs to
     shift: int = 0
     align: str = "start"
+    lengths: torch.Tensor | None = None  # int64 [B], the segment lengths it was planned for
 
     @property
     def layout(self) -> SlotLayout:
@@ -368,4 +369,4 @@ def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0, align: str
     src[dst] = torch.arange(total, device=offsets.device)
     valid = (src != total).view(num_blocks, block)
     block_segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), blocks_per_seg)
-    return BlockPlan(block, num_blocks, src, dst, valid, block_segment, shift, align)
+    return BlockPlan(block, num_blocks, src, dst, valid, block_segment, shift, align, lengths)
