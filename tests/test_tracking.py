@@ -105,3 +105,44 @@ def test_experiments_keep_artifacts_beside_a_sqlite_store(tmp_path, monkeypatch)
 def _file(path):
     path.write_text("x")
     return path
+
+
+def test_a_sqlite_store_is_opened_under_a_lock(tmp_path):
+    """Opening a SQLite store creates its tables and migrates them: two jobs doing it at once on a
+    fresh file failed with 'table ... already exists', or left a half-migrated store no job opened."""
+    import fcntl
+
+    from gem.train.tracking import open_client
+
+    db = tmp_path / "sub" / "mlflow.db"
+    held = []
+
+    def client(uri):  # opening the store: another process' flock on the lock file must block
+        with open(f"{db}.lock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return uri
+
+    assert open_client(client, f"sqlite:///{db}") == f"sqlite:///{db}" and held == [True]
+    assert open_client(lambda uri: uri, "sqlite://") == "sqlite://"  # in memory: nothing to lock
+    assert open_client(lambda uri: uri, "http://mlflow:5000") == "http://mlflow:5000"
+
+
+def test_jobs_opening_a_fresh_sqlite_store_at_once_all_succeed(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    db = tmp_path / "mlflow.db"
+    script = ("import sys, time\nfrom mlflow.tracking import MlflowClient\nfrom gem.train.tracking import open_client\n"
+              "start = float(sys.argv[1])\nwhile time.time() < start: time.sleep(0.001)\n"
+              f"c = open_client(MlflowClient, 'sqlite:///{db}')\nprint(c.get_experiment_by_name('Default').name)\n")
+    start = time.time() + 10  # every process has imported mlflow by then
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-600:] for _, err in results]
+    assert [out.strip() for out, _ in results] == ["Default"] * 3

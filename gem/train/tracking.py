@@ -7,6 +7,7 @@
   a checkpoint continues the run that checkpoint recorded (trainer_state.json's mlflowRunId);
   a fresh start always creates a new run, even if an earlier run carries the same uid tag.
 - Tracking URIs are logged and reported without credentials (user:pass@ is stripped).
+- A SQLite store is opened under a file lock (open_client): concurrent first opens corrupt it.
 - Params: the resolved spec, flattened (`training.learningRate`, ...), logged once.
 - Metrics: per-step loss and lr (buffered, written in batches), eval metrics.
 - Artifacts: the resolved manifest (gem.yaml) and the final checkpoint's model.pt + gem.yaml
@@ -125,6 +126,35 @@ def registered_model_name(manifest: Any) -> str:
     return mlflow_spec.experiment if manifest.kind == "GEMTraining" else manifest.metadata.name
 
 
+def open_client(client_cls: Any, tracking_uri: str) -> Any:
+    """An MLflow client of `tracking_uri`. Opening a SQLite store creates its tables and runs its
+    alembic migrations; two jobs doing that at once on a fresh file (local jobs submitted together
+    on a new GEM_HOME) fail ("table ... already exists"), and can leave a half-migrated store that
+    no later job opens. So SQLite stores are opened under an exclusive lock on `<file>.lock`."""
+    database = _sqlite_file(tracking_uri)
+    if database is None:
+        return client_cls(tracking_uri)
+    import fcntl  # SQLite stores are local files, and this lock is the machine's
+
+    Path(database).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return client_cls(tracking_uri)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _sqlite_file(tracking_uri: str) -> str | None:
+    """The database file of a `sqlite:` URI; None for other stores and in-memory SQLite."""
+    if not tracking_uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(tracking_uri).database
+    return database if database and database != ":memory:" else None
+
+
 class Tracker:
     """No-op unless enabled; call every method on all ranks, it only acts on rank 0."""
 
@@ -151,7 +181,7 @@ class Tracker:
         spec = self.manifest.spec.mlflow
         self.tracking_uri, _ = tracking_uri_of(spec)
         mlflow.set_tracking_uri(self.tracking_uri)
-        self._client = MlflowClient(self.tracking_uri)
+        self._client = open_client(MlflowClient, self.tracking_uri)
         self.experiment_id = self._experiment_id(spec.experiment)
         if resume_run_id and self._continue(resume_run_id):
             return
