@@ -57,7 +57,8 @@ import pyarrow.parquet as pq
 
 from gem.data.batch import Batch, make_batch
 from gem.data.loader import PARQUET_GROUPS, PARQUET_WINDOW, loader_rng, locate
-from gem.data.synthetic import Examples
+from gem.data.errors import SpecError
+from gem.data.synthetic import NUM_EVENT_TYPES, Examples
 
 # 1: ids, surface, dense, click/conversion (+ p_*), seq_ad_id/campaign_id/type/timestamp.
 # 2: + dwell, p_dwell, seq_surface, objective, conversion_delay; seq_type 3 (organic), surfaces 0-3.
@@ -295,6 +296,52 @@ def _check_seconds(f: Path, rg: Any) -> None:
                             "(e.g. divide milliseconds by 1000)")
 
 
+class LabelError(SpecError):
+    """A label or event-type column the model cannot train on: `click` missing, null or NaN, a label
+    outside {0, 1}, an event type outside the schema's. BCE trains silently on such values (a NaN
+    click made every loss NaN from that batch on)."""
+
+
+#: Labels in {0, 1}; `click` is on every row, the others may be NaN (unknown to the source).
+_LABELS = {"click": False, "conversion": True, "dwell": True}
+_SEQ_TYPE_COLUMNS = ("seq_type.list.element", "seq_type.list.item")
+
+
+def _check_labels_in_footer(f: Path, rg: Any, g: int, names: list[str]) -> None:
+    """What the footer's statistics tell without reading data: `click` missing or null, a label's
+    values outside [0, 1], `seq_type` outside [0, NUM_EVENT_TYPES). NaN is not in the statistics:
+    check_label_values catches it when the rows are read."""
+    if "click" not in names:
+        raise LabelError(f"no click column in {f}: every row needs its click label, 0 or 1 (docs/data.md)")
+    for j in range(rg.num_columns):
+        col = rg.column(j)
+        st, path = col.statistics, col.path_in_schema
+        if st is None:
+            continue
+        if path == "click" and st.null_count:
+            raise LabelError(f"{st.null_count} null click values in {f} (row group {g}): every row needs its "
+                             "click label, 0 or 1 (docs/data.md); drop those rows or fill them in")
+        if not st.has_min_max:
+            continue
+        if path in _LABELS and (st.min < 0 or st.max > 1):
+            raise LabelError(f"{path} values in [{st.min}, {st.max}] in {f} (row group {g}): labels are 0 or 1"
+                             + (" (NaN: unknown)" if _LABELS[path] else "") + " (docs/data.md)")
+        if path in _SEQ_TYPE_COLUMNS and (st.min < 0 or st.max >= NUM_EVENT_TYPES):
+            raise LabelError(f"seq_type values in [{st.min}, {st.max}] in {f} (row group {g}): event types are "
+                             f"0-{NUM_EVENT_TYPES - 1} (0 impression, 1 click, 2 conversion, 3 organic; docs/data.md)")
+
+
+def check_label_values(ex: Examples, where: str) -> None:
+    """Refuse labels the footer could not show: NaN clicks, values other than 0 and 1 (0.5, say)."""
+    for name, nan_ok in _LABELS.items():
+        values = getattr(ex, name)
+        bad = ~(np.isnan(values) | (values == 0) | (values == 1)) if nan_ok else ~((values == 0) | (values == 1))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LabelError(f"a {name} of {values[i]} in row {i} of {where} ({int(bad.sum())} such rows): labels "
+                             "are 0 or 1" + (" (NaN: unknown)" if nan_ok else ", on every row") + " (docs/data.md)")
+
+
 class ParquetSource:
     """The Parquet files of one split: row-group index from the footers (no data read)."""
 
@@ -310,11 +357,13 @@ class ParquetSource:
         self.groups: list[tuple[int, int]] = []  # (file index, row group)
         rows: list[int] = []
         for i, f in enumerate(files):
-            md = pq.ParquetFile(f).metadata
+            pf = pq.ParquetFile(f)
+            md = pf.metadata
             for g in range(md.num_row_groups):
                 if md.row_group(g).num_rows == 0:  # other writers (and older files of ours) hold empty groups
                     continue
                 _check_seconds(f, md.row_group(g))
+                _check_labels_in_footer(f, md.row_group(g), g, pf.schema_arrow.names)
                 self.groups.append((i, g))
                 rows.append(md.row_group(g).num_rows)
         self.group_rows = np.asarray(rows, dtype=np.int64)
@@ -332,7 +381,9 @@ class ParquetSource:
         i, rg = self.groups[g]
         if i not in self._handles:
             self._handles[i] = pq.ParquetFile(self.files[i])
-        return table_to_examples(self._handles[i].read_row_group(rg))
+        ex = table_to_examples(self._handles[i].read_row_group(rg))
+        check_label_values(ex, f"{self.files[i]} (row group {rg})")
+        return ex
 
     def read_lengths(self, g: int) -> np.ndarray:
         """History lengths of row group g's rows (int64), reading one list column only."""
@@ -346,7 +397,9 @@ class ParquetSource:
         return table_to_examples(f.read_row_group(rg, columns=names)).seq_lengths.astype(np.int64)
 
     def read_all(self) -> Examples:
-        return table_to_examples(pq.read_table(self.files if len(self.files) > 1 else self.files[0]))
+        ex = table_to_examples(pq.read_table(self.files if len(self.files) > 1 else self.files[0]))
+        check_label_values(ex, str(self.path))
+        return ex
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for DataLoader workers
         return {**self.__dict__, "_handles": {}}

@@ -117,11 +117,11 @@ def load_source(kind: str, *, synthetic: SyntheticDataSpec, path: str | None, ma
 
 
 def _load_parquet(path: str | None, field_name: str) -> tuple[Any, Examples]:
-    from gem.data.parquet import TimeUnitError, load_parquet_splits
+    from gem.data.parquet import LabelError, TimeUnitError, load_parquet_splits
 
     try:
         return load_parquet_splits(path)
-    except TimeUnitError as e:
+    except (TimeUnitError, LabelError) as e:
         raise SpecError(f"{field_name}.path: the Parquet data at {path!r} has {e}") from e
     except (OSError, ValueError) as e:  # no such directory, no shards, unreadable files
         raise SpecError(f"{field_name}.path: cannot read Parquet data at {path!r}: {e}; point it at a directory "
