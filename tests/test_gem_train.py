@@ -262,3 +262,29 @@ def test_a_long_error_report_is_valid_json(tmp_path, monkeypatch, message):
     error = json.loads(path.read_text())["error"]
     assert error.startswith("RuntimeError: " + message[:100]) and error.endswith("…")
     assert len(path.read_bytes()) > report.MAX_BYTES - 8  # cut no shorter than it must be
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_a_checkpoint_of_it(tmp_path, monkeypatch):
+    """A NaN in a batch's dense features (or a diverging model) made the loss NaN and, from that step on,
+    every weight: training went on, saved NaN checkpoints and reported NaN metrics with exit 0. It now
+    stops at that step (exit 1, the report naming it); the checkpoints before it stay the last complete."""
+    from gem.train.trainer import Trainer
+
+    real, calls = Trainer._train_step, []
+
+    def poisoned(self, batch):
+        calls.append(1)
+        if len(calls) == 5:
+            batch.dense[0, 0] = float("nan")  # what a feature pipeline's missing value looks like
+        return real(self, batch)
+
+    monkeypatch.setattr(Trainer, "_train_step", poisoned)
+    path = manifest(tmp_path, "nan", steps=10, every=2)
+    assert cli.main(["train", "--config", str(path)]) == 1
+    error = termination(tmp_path)["error"]
+    assert error.startswith("DivergedError: the training loss is nan at step 5 (rank 0)"), error
+    assert "the last complete checkpoint is step-00000004" in error and "spec.training.learningRate" in error
+    job = tmp_path / "ckpt" / "local" / "nan"
+    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000002", "step-00000004"]
+    state = torch.load(job / "step-00000004" / "model.pt")
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())

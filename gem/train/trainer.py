@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import sys
@@ -54,6 +55,18 @@ log = logging.getLogger("gem.train")
 LOG_EVERY = 10  # steps between structured log lines
 #: Fault injection for resume tests and chaos drills: fail right after finishing this step.
 FAULT_ENV = "GEM_FAULT_AT_STEP"
+
+
+class DivergedError(RuntimeError):
+    """The training loss is not finite: the step just taken made the weights NaN/inf, so nothing after
+    it is saved (a checkpoint of such weights would resume into the same failure, or be registered)."""
+
+    def __init__(self, step: int, loss: float, rank: int, last_ckpt: Path | None):
+        resume = f"the last complete checkpoint is {last_ckpt.name}" if last_ckpt else "no checkpoint was saved yet"
+        super().__init__(
+            f"the training loss is {loss} at step {step} (rank {rank}); nothing from this step on is saved and "
+            f"{resume}. NaN/inf inputs (dense features) or a diverging model: check the data, lower "
+            "spec.training.learningRate or spec.training.gradClip, or train in fp32 to rule out bf16 overflow")
 
 
 def seed_everything(seed: int) -> None:
@@ -255,6 +268,8 @@ class Trainer:
             batch = self.loader.next_batch().to(self.env.device)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with: engine.step moves the schedule on
             logs = self._train_step(batch)
+            if not math.isfinite(logs["loss"]):
+                raise DivergedError(self.step + 1, logs["loss"], self.env.rank, last_ckpt)
             self.step += 1
             seen += batch.size
             self.tracker.log_step(self.step, {"train/loss": logs["loss"], "train/lr": lr})
