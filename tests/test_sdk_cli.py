@@ -382,6 +382,7 @@ def test_submit_follow_goes_on_after_a_restart_locally(home, monkeypatch):
         return job
 
     monkeypatch.setattr(LocalBackend, "_patch_job", staticmethod(patch))
+    monkeypatch.setenv("GEM_LOCAL_RESTART_BACKOFF_S", "1")  # the 10 s default would only slow this test
     _go_after_the_first_container(monkeypatch, home)
     r = gemctl("submit", "-f", _restarting_manifest(home), "--follow", "--timeout", "120", "--local")
     _assert_followed_across_the_restart(r, "again-train-master-0", "again")
