@@ -132,6 +132,28 @@ def test_job_names_are_deterministic_and_fit_a_service_name():
     assert name != render.job_name("LoopFMDistill", long)
 
 
+@pytest.mark.parametrize("length", [45, 48, 63])
+def test_every_replica_service_name_is_a_dns_label(length):
+    """The training operator creates a Service per replica, named like its pod: "<job>-master-0" and
+    "<job>-worker-<i>". Job names were cut to fit "-master-0" only, so a 48-character GEMTraining
+    with 12 nodes or more had Services of 64+ characters (worker-10 on), which the API server refuses."""
+    from tests.kubeapi.validation import is_dns1035_label
+
+    max_nodes = 100_000  # spec.parallelism.numNodes' maximum
+    with pytest.raises(pydantic.ValidationError, match="numNodes"):
+        _gemt(parallelism={"numNodes": max_nodes + 1})
+    for kind in KINDS:
+        name = "g" * (length - 1) + "1"
+        obj = parse_object({"kind": kind, "metadata": {"name": name}, "spec": {
+            "teacher": {"checkpoint": "/c"}, "parallelism": {"numNodes": max_nodes}} if kind == "LoopFMDistill" else
+            {"parallelism": {"numNodes": max_nodes}}})
+        job = render.render_pytorchjob(obj)
+        assert job["metadata"]["name"] == render.job_name(kind, name)
+        for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
+            last = f"{job['metadata']['name']}-{rtype.lower()}-{replica['replicas'] - 1}"
+            assert is_dns1035_label(last) == [], last
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [

@@ -22,6 +22,7 @@ from gem.api.types import (
     TERMINATION_MESSAGE_PATH,
     GEMTraining,
     LoopFMDistill,
+    ParallelismSpec,
 )
 from gem.parallel.placement import PlacementMode, apply_placement
 from gem.parallel.topology import Topology
@@ -41,9 +42,13 @@ ENV_CHECKPOINT_DIR = "GEM_CHECKPOINT_DIR"
 ENV_TERMINATION_PATH = "GEM_TERMINATION_MESSAGE_PATH"
 
 _JOB_SUFFIX = {"GEMTraining": "train", "LoopFMDistill": "distill"}
-# Service names are DNS-1035 labels (<= 63 chars) and the training operator names the master
-# Service "<job>-master-0"; keep job names short enough for that.
-_MAX_JOB_NAME = 63 - len("-master-0")
+#: The most pods a gang may have (spec.parallelism.numNodes' maximum).
+_MAX_NODES = next(m.le for m in ParallelismSpec.model_fields["num_nodes"].metadata if getattr(m, "le", None))
+# Service names are DNS-1035 labels (<= 63 chars) and the training operator gives every replica a
+# Service named like its pod, "<job>-master-0" and "<job>-worker-<i>" up to i = numNodes - 2: keep
+# job names short enough for the last worker of the largest gang (a name fit for "-master-0" only
+# left the Services of workers 10 and up uncreatable, and the PyTorchJob's status never updated).
+_MAX_JOB_NAME = 63 - len(f"-worker-{_MAX_NODES - 2}")
 
 
 def job_name(kind: str, name: str) -> str:
