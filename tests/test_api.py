@@ -70,6 +70,33 @@ def test_crd_schema_is_structural_and_documented(kind):
     assert crd["spec"]["names"]["shortNames"]
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_printer_columns_point_at_schema_fields_of_their_type(kind):
+    """`kubectl get` columns: each jsonPath names a field of the schema, and the column type is that
+    field's (Progress was a string column over the integer status.progress.percent)."""
+    version = crds.render_crd(kind)["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    column_type = {"integer": "integer", "number": "number", "string": "string", "boolean": "boolean"}
+    for col in version["additionalPrinterColumns"]:
+        if col["jsonPath"] == ".metadata.creationTimestamp":
+            assert col["type"] == "date"
+            continue
+        node = schema
+        for part in col["jsonPath"].lstrip(".").split("."):
+            node = node["properties"][part]
+        assert col["type"] == column_type[node["type"]], col
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_kubectl_explain_has_a_description_for_every_top_level_field(kind):
+    schema = crds.render_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for key in ("apiVersion", "kind", "metadata", "spec", "status"):
+        assert schema["properties"][key].get("description"), f"{kind}.{key} has no description"
+    for path, node in _walk(schema["properties"]["status"], "status"):
+        if not path.endswith(("[]", "{}")):
+            assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
+
+
 def test_crd_defaults_validate_against_their_own_schema():
     # A default that its own schema rejects makes the API server refuse the CRD.
     for kind in KINDS:

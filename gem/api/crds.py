@@ -106,8 +106,22 @@ def schema_for(model_cls: Any) -> dict[str, Any]:
     return node
 
 
+# What `kubectl explain <kind>` shows for the fields every object has (the wording of the
+# descriptions Kubernetes' own types carry).
+_API_VERSION_DOC = (
+    "APIVersion defines the versioned schema of this representation of an object. Servers should convert "
+    "recognized schemas to the latest internal value, and may reject unrecognized values."
+)
+_KIND_DOC = (
+    "Kind is a string value representing the REST resource this object represents. Servers may infer this "
+    "from the endpoint the client submits requests to. In CamelCase."
+)
+_METADATA_DOC = "Standard object's metadata: name, namespace, labels, annotations."
+
+
 def _status_schema() -> dict[str, Any]:
     schema = schema_for(JobStatus)
+    schema["description"] = "Observed state, written by the operator: phase, conditions, progress, metrics."
     conditions = schema["properties"]["conditions"]
     # One condition per type, merged by type (what `kubectl` and server-side apply expect).
     conditions["x-kubernetes-list-type"] = "map"
@@ -120,7 +134,7 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Where the job is in its life."},
     {
         "name": "Progress",
-        "type": "string",
+        "type": "integer",
         "jsonPath": ".status.progress.percent",
         "description": "Percent of training steps done.",
     },
@@ -178,9 +192,9 @@ def render_crd(kind: str) -> dict[str, Any]:
                             "description": (info["model"].__doc__ or kind).strip(),
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
+                                "kind": {"type": "string", "description": _KIND_DOC},
+                                "metadata": {"type": "object", "description": _METADATA_DOC},
                                 "spec": spec_schema,
                                 "status": _status_schema(),
                             },
