@@ -13,7 +13,7 @@ import yaml
 
 from gem.api import crds, render
 from gem.api.status import apply_report, master_report, phase_from_job, set_condition
-from gem.api.types import KINDS, GEMTraining, LoopFMDistill, parse_object
+from gem.api.types import KINDS, GEMTraining, LoopFMDistill, TrainingSpec, parse_object
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTORCHJOB_CRD = ROOT / "tests" / "kubeapi" / "crds" / "kubeflow.org_pytorchjobs.yaml"
@@ -200,6 +200,24 @@ def test_bad_specs_name_the_field(spec, field):
     with pytest.raises(pydantic.ValidationError) as e:
         _gemt(**spec)
     assert field in str(e.value)
+
+
+def test_manifests_take_only_the_wire_names_the_crd_keeps():
+    """A snake_case key (training.batch_size) parsed: gemctl and `gem train --config` ran batch 8,
+    while the API server prunes the key the CRD does not have and the cluster ran the default 64."""
+    from tests.kubeapi.schema import apply_defaults, prune
+
+    doc = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "snake"},
+           "spec": {"training": {"batch_size": 8}}}
+    schema = crds.render_crd("GEMTraining")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    stored = apply_defaults(prune(yaml.safe_load(yaml.safe_dump(doc)), schema, root=True), schema)
+    assert stored["spec"]["training"]["batchSize"] == 64 and "batch_size" not in stored["spec"]["training"]
+    with pytest.raises(pydantic.ValidationError, match=r"spec\.training\.batch_size\n  Extra inputs"):
+        parse_object(doc)
+    assert parse_object({**doc, "spec": {"training": {"batchSize": 8}}}).spec.training.batch_size == 8
+    assert GEMTraining.model_validate(stored).spec.training.batch_size == 64
+    # Python code keeps its keyword names
+    assert TrainingSpec(batch_size=8).batch_size == 8
 
 
 def test_teacher_must_name_exactly_one_source():

@@ -18,7 +18,9 @@ INTRO = f"""# API reference: GEMTraining and LoopFMDistill
 Both resources live in the API group `{GROUP}`, version `{VERSION}`. The pydantic models in
 `gem/api/types.py` are the single source of truth: the CRDs in `manifests/crds/` and this page are
 generated from them by `make crds` (a test fails when either drifts). `kubectl explain
-gemtraining.spec.training` shows the same descriptions.
+gemtraining.spec.training` shows the same descriptions. Field names are the camelCase ones below
+(`batchSize`, not `batch_size`): the API server drops or refuses a field the CRD does not have, so
+`gemctl` and `gem train --config` refuse it too, as an unknown field.
 
 Rules the schema cannot express are checked by the operator, which reports them as a `Valid=False`
 condition and a Warning Event naming the field: `model.embeddingDim` divisible by `model.numHeads`;

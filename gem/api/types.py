@@ -641,8 +641,12 @@ KINDS: dict[str, dict[str, Any]] = {
 
 
 def parse_object(obj: dict[str, Any]) -> GEMTraining | LoopFMDistill:
-    """Parse a GEMTraining or LoopFMDistill manifest (a dict) into its typed model."""
+    """Parse a GEMTraining or LoopFMDistill manifest (a dict) into its typed model.
+
+    Only the wire (camelCase) names: the CRD has no `batch_size`, so the API server prunes such a
+    key (or kubectl refuses it) and the job would run with the default; here it is an unknown field.
+    Python code still builds the models with snake_case keywords."""
     kind = obj.get("kind")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
-    return KINDS[kind]["model"].model_validate(obj)
+    return KINDS[kind]["model"].model_validate(obj, by_alias=True, by_name=False)
