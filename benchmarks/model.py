@@ -23,8 +23,9 @@ to 256 events and block-attention lengths 8x shorter.
   train_step_speedup_vs_padded  padded-attention GEM step / GEM step (`small`, fwd+bwd+AdamW)
   mfu                           GEM step FLOPs (3 x forward) / time / fastest measured matmul peak
 
-Precision: every model and kernel is timed in fp32 and in bf16 (autocast) in the same rounds
-and the faster one is used; both are in the JSON. A CPU without native bf16 matmuls (AVX2 only:
+Precision: every model and kernel is timed in fp32 and in bf16 (autocast) in the same rounds;
+both sides of a ratio use the one precision in which they are fastest together (`chosen`), and
+MFU uses GEM's faster step; all times are in the JSON. A CPU without native bf16 matmuls (AVX2 only:
 PyTorch then runs bf16 GEMMs at ~0.25 GFLOP/s, hundreds of times slower than fp32) would spend hours
 on contenders that can never win: a probe matmul decides first, and bf16 is skipped (and the
 reason recorded) when it is more than 2x slower than fp32. MFU is measured against the fastest
@@ -154,6 +155,14 @@ def fastest(times: dict[str, list[float]], prefix: str) -> str:
     return min((f"{prefix}_{dt}" for dt in DTYPES), key=lambda k: best(times, k))
 
 
+def common_precision(times: dict[str, list[float]], *prefixes: str) -> dict[str, str]:
+    """f"{prefix}_{dtype}" of every prefix in the one precision where they are fastest together.
+    A ratio of two sides timed in different precisions would credit one side with the precision
+    change (e.g. bf16 jagged over fp32 padded), not with its algorithm."""
+    dt = min(DTYPES, key=lambda d: sum(best(times, f"{p}_{d}") for p in prefixes))
+    return {p: f"{p}_{dt}" for p in prefixes}
+
+
 # --------------------------------------------------------------------------- workloads
 
 
@@ -193,7 +202,8 @@ def bench_jagged_attention(num_rounds: int, batch: int = BATCH, max_len: int = M
            for dt in DTYPES}
     fns[f"per_sequence_loop_{DTYPES[-1]}"] = loop
     times = rounds(fns, num_rounds=num_rounds)
-    best_padded, best_jagged = fastest(times, "padded"), fastest(times, "jagged")
+    chosen = common_precision(times, "padded", "jagged")
+    best_padded, best_jagged = chosen["padded"], chosen["jagged"]
     # Same outputs: the fast path against the padded one, both in fp32.
     err = (jagged(torch.float32)() - padded(torch.float32)()).abs().max().item()
     pairs = float((lengths.double() ** 2).sum())
@@ -278,7 +288,7 @@ def bench_pffn(num_rounds: int, batch: int = BATCH, max_len: int = MAX_LEN) -> d
 
     fns = {f"{k}_{dt}": fwd(m, dt) for k, m in models.items() for dt in DTYPES}
     times = rounds(fns, num_rounds=num_rounds)
-    best = {k: fastest(times, k) for k in models}
+    best = common_precision(times, *models)
     return {
         "pffn_forward_speedup": paired_ratio(times, best["token_ffn_4d"], best["pffn"]),
         "pffn_forward_ideal": flops["token_ffn_4d"] / flops["pffn"],
@@ -313,20 +323,21 @@ def bench_train_step(num_rounds: int, batch: int = BATCH, max_len: int = MAX_LEN
            for dt in DTYPES}
     fns.update(matmul_peak_fns(DTYPES))
     times = rounds(fns, num_rounds=num_rounds)
-    best_gem, best_padded = fastest(times, "gem"), fastest(times, "padded")
-    # MFU: the step's achieved FLOP rate over the fastest matmul peak measured in the same rounds.
-    peak = fastest(times, "peak")
-    mfu = (step_flops["gem"] / best(times, best_gem)) / (PEAK_FLOPS / best(times, peak))
+    chosen = common_precision(times, "gem", "padded")
+    best_gem, best_padded = chosen["gem"], chosen["padded"]
+    # MFU: GEM's fastest step's achieved FLOP rate over the fastest matmul peak measured in the same rounds.
+    mfu_step, peak = fastest(times, "gem"), fastest(times, "peak")
+    mfu = (step_flops["gem"] / best(times, mfu_step)) / (PEAK_FLOPS / best(times, peak))
     return {
         "train_step_speedup_vs_padded": paired_ratio(times, best_padded, best_gem),
         "train_step_ideal_vs_padded": step_flops["padded"] / step_flops["gem"],
         "mfu": mfu,
         "mfu_ideal": 1.0,
         "step_flops": step_flops,
-        "achieved_gflops": step_flops["gem"] / best(times, best_gem) / 1e9,
+        "achieved_gflops": step_flops["gem"] / best(times, mfu_step) / 1e9,
         "peak_dtype": peak.removeprefix("peak_"),
         **{f"{k}_gflops": PEAK_FLOPS / best(times, k) / 1e9 for k in fns if k.startswith("peak_")},
-        "seconds": summary(times), "chosen": {"gem": best_gem, "padded": best_padded},
+        "seconds": summary(times), "chosen": {"gem": best_gem, "padded": best_padded, "mfu_step": mfu_step},
         "tokens_per_tier": {k: int(v.sum()) for k, v in lengths.items()},
     }
 

@@ -95,9 +95,33 @@ def test_model_smoke(tmp_path):
     assert math.isclose(r["train_step_speedup_vs_padded"], sec["train_step"][ch["padded"]] / sec["train_step"][ch["gem"]])
     assert all(v.rsplit("_", 1)[1] in dtypes for part in ("jagged_attention", "pffn", "train_step")
                for v in d[part]["chosen"].values())
+    for part in ("jagged_attention", "pffn", "train_step"):  # both sides of a ratio in one precision
+        assert len({v.rsplit("_", 1)[1] for k, v in d[part]["chosen"].items() if k != "mfu_step"}) == 1, part
+    assert math.isclose(r["achieved_gflops"], d["train_step"]["step_flops"]["gem"] / sec["train_step"][ch["mfu_step"]] / 1e9)
     on, off = d["compskip"]["flops_per_example_on"], d["compskip"]["flops_per_example_off"]
     assert math.isclose(r["compskip_flop_reduction"], 1 - sum(on.values()) / sum(off.values()))
     assert finite(doc["wall_seconds"]) and doc["wall_seconds"] >= 0
+
+
+def test_model_ratios_compare_both_sides_in_one_precision(monkeypatch):
+    """Each speedup divides two times taken in the same precision (the one where the pair is
+    fastest together), never the baseline's best fp32 time by GEM's best bf16 time; MFU takes
+    GEM's fastest step against the fastest matmul peak. Timings are replaced by fixed ones."""
+    fake = {"padded_fp32": 1.0, "padded_bf16": 3.0, "jagged_fp32": 0.5, "jagged_bf16": 0.1,
+            "token_ffn_4d_fp32": 1.0, "token_ffn_4d_bf16": 3.0, "pffn_fp32": 0.5, "pffn_bf16": 0.1,
+            "gem_fp32": 0.5, "gem_bf16": 0.1, "peak_fp32": 1.0, "peak_bf16": 0.5}
+    monkeypatch.setattr(model_bench, "DTYPES", ("fp32", "bf16"))
+    monkeypatch.setattr(model_bench, "rounds", lambda fns, num_rounds, warmup=None: {k: [fake.get(k, 1.0)] for k in fns})
+    j = model_bench.bench_jagged_attention(1, batch=4, max_len=32)
+    assert j["chosen"] == {"padded": "padded_fp32", "jagged": "jagged_fp32"}
+    assert j["jagged_attention_speedup"] == 2.0  # 1.0 / 0.5, not fp32 padded over bf16 jagged (10)
+    p = model_bench.bench_pffn(1, batch=4, max_len=32)
+    assert set(p["chosen"].values()) == {"pffn_fp32", "token_ffn_4d_fp32", "token_ffn_1d_fp32"}
+    assert p["pffn_forward_speedup"] == 2.0
+    t = model_bench.bench_train_step(1, batch=4, max_len=32)
+    assert t["chosen"] == {"gem": "gem_fp32", "padded": "padded_fp32", "mfu_step": "gem_bf16"}
+    assert t["train_step_speedup_vs_padded"] == 2.0
+    assert math.isclose(t["mfu"], (t["step_flops"]["gem"] / 0.1) / (model_bench.PEAK_FLOPS / 0.5))
 
 
 def test_parallel_smoke(tmp_path):
