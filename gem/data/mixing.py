@@ -8,9 +8,9 @@ gathered in place (`make_batch`) and the per-source pieces are concatenated into
 Batch. A source is in-memory `Examples` (synthetic, or a Parquet eval/train split read whole);
 for a streamed Parquet training split use one ParquetLoader per source and `MixedLoaders`.
 
-State: `{"position", "cursors", "streams"}` (batches handed out, examples taken per source by
-each rank, and per source `{"epoch", "consumed"}`: examples of that epoch's permutation consumed
-by all ranks together). `cursors` is a pure function of `position` (they can be replayed), and is
+State: `{"position", "names", "cursors", "streams"}` (batches handed out; the sources in order,
+which a resume must match; examples taken per source by each rank; and per source `{"epoch",
+"consumed"}`: examples of that epoch's permutation consumed by all ranks together). `cursors` is a pure function of `position` (they can be replayed), and is
 saved too so resuming is O(1). `streams` is world-size independent: rank r of W took the
 examples at positions r, r + W, ... of the permutation, so the ranks together consumed its first
 `consumed`; a resume on another world size re-slices the rest of that epoch over the new ranks
@@ -125,10 +125,13 @@ class MixedLoader:
         return loader_rng(self.seed, MIXED_COUNTS, position).multinomial(self.batch_size, self.weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "cursors": list(self.cursors),
+        return {"position": self.position, "names": list(self.names), "cursors": list(self.cursors),
                 "streams": [s.consumed(c) for s, c in zip(self.streams, self.cursors)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # cursors and streams are per source index (and a source's order is seeded by its index): a
+        # reordered or renamed source list would silently resume each source at another's position
+        _same_sources(state.get("names", self.names), self.names)
         self.position = int(state["position"])
         if "cursors" in state:
             self.cursors = [int(c) for c in state["cursors"]]
@@ -179,6 +182,7 @@ class MixedLoaders:
         return {"position": self.position, "loaders": {n: l.state_dict() for n, l in self.loaders.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _same_sources(sorted(state["loaders"]), sorted(self.names))  # by name: the order may change
         self.position = int(state["position"])
         for n, s in state["loaders"].items():
             self.loaders[n].load_state_dict(s)
@@ -187,6 +191,12 @@ class MixedLoaders:
         name = self.source_at(self.position)
         self.position += 1
         return self.loaders[name].next_batch()
+
+
+def _same_sources(saved: Sequence[str], names: Sequence[str]) -> None:
+    if list(saved) != list(names):
+        raise ValueError(f"the checkpoint's loader state mixes the sources {list(saved)} in this order, this run "
+                         f"{list(names)}: resume with spec.data.sources as they were saved")
 
 
 def source_metrics(predict: Callable[[Batch], dict[str, torch.Tensor]], sources: Mapping[str, Examples], *,
