@@ -220,6 +220,27 @@ def test_manifests_take_only_the_wire_names_the_crd_keeps():
     assert TrainingSpec(batch_size=8).batch_size == 8
 
 
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"parallelism": {"topology": {"levels": ["rack"], "nodesPerDomain": {"rack": 0}}}},
+         "spec.parallelism.topology.nodesPerDomain.rack"),
+        ({"data": {"synthetic": {"surfaceMix": [0.5, -0.1, 0.5, 0.1]}}}, "spec.data.synthetic.surfaceMix[1]"),
+    ],
+)
+def test_bounds_on_map_values_and_list_items_are_in_the_crd(spec, field):
+    """The CRD accepted these (the bound was a model validator's), so kubectl apply succeeded and the
+    operator marked the resource Invalid afterwards; the API server now refuses them at apply."""
+    from tests.kubeapi.schema import validate
+
+    doc = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "b"}, "spec": spec}
+    schema = crds.render_crd("GEMTraining")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert [f for f, _, _ in validate(doc, schema, root=True)] == [field]
+    with pytest.raises(pydantic.ValidationError) as e:
+        parse_object(doc)
+    assert field.removeprefix("spec.").replace("[1]", ".1") in str(e.value)
+
+
 def test_teacher_must_name_exactly_one_source():
     with pytest.raises(pydantic.ValidationError, match="exactly one"):
         parse_object({"kind": "LoopFMDistill", "metadata": {"name": "x"}, "spec": {"teacher": {}}})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -118,7 +118,9 @@ class SyntheticDataSpec(ApiModel):
         0.25, ge=0, le=1, description="Share of history events that are organic engagement (likes, shares).",
     )
     num_organic_posts: int = Field(2000, ge=1, description="Distinct organic posts users engage with.")
-    surface_mix: list[float] = Field(
+    # bounds on the items and values of lists and maps go into the CRD too (items / additionalProperties),
+    # so the API server refuses such a value at apply, as pydantic does
+    surface_mix: list[Annotated[float, Field(ge=0)]] = Field(
         default_factory=lambda: [0.4, 0.2, 0.3, 0.1], min_length=4, max_length=4,
         description="Average share of requests and events on feed, stories, reels, off-site (normalised; "
         "each user's own mix scatters around it).",
@@ -138,8 +140,8 @@ class SyntheticDataSpec(ApiModel):
 
     @model_validator(mode="after")
     def _surface_mix_positive(self) -> "SyntheticDataSpec":
-        if min(self.surface_mix) < 0 or sum(self.surface_mix) <= 0:
-            raise ValueError(f"synthetic.surfaceMix must be non-negative with a positive sum, got {self.surface_mix}")
+        if sum(self.surface_mix) <= 0:
+            raise ValueError(f"synthetic.surfaceMix must have a positive sum, got {self.surface_mix}")
         return self
 
 
@@ -234,7 +236,7 @@ class TopologySpec(ApiModel):
         default_factory=list,
         description="Node-label keys from the innermost level up, e.g. [nvidia.com/gpu.clique, topology.kubernetes.io/zone].",
     )
-    nodes_per_domain: dict[str, int] = Field(
+    nodes_per_domain: dict[str, Annotated[int, Field(ge=1)]] = Field(
         default_factory=dict,
         description="Nodes in one domain of each level, by label key (e.g. {nvidia.com/gpu.clique: 18}); "
         "a level not listed is measured from the labels of the nodes the job may use.",
@@ -248,9 +250,6 @@ class TopologySpec(ApiModel):
                 f"parallelism.topology.nodesPerDomain names {', '.join(unknown)}, which are not in "
                 "parallelism.topology.levels: add them to levels or remove them"
             )
-        bad = sorted(k for k, v in self.nodes_per_domain.items() if v < 1)
-        if bad:
-            raise ValueError(f"parallelism.topology.nodesPerDomain[{', '.join(bad)}] must be >= 1")
         return self
 
 
