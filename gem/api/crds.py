@@ -106,8 +106,8 @@ def schema_for(model_cls: Any) -> dict[str, Any]:
     return node
 
 
-# What `kubectl explain <kind>` shows for the fields every object has (the wording of the
-# descriptions Kubernetes' own types carry).
+# What `kubectl explain <kind>` shows for apiVersion and kind (the wording of Kubernetes' own types;
+# metadata's description comes from ObjectMeta).
 _API_VERSION_DOC = (
     "APIVersion defines the versioned schema of this representation of an object. Servers should convert "
     "recognized schemas to the latest internal value, and may reject unrecognized values."
@@ -116,7 +116,6 @@ _KIND_DOC = (
     "Kind is a string value representing the REST resource this object represents. Servers may infer this "
     "from the endpoint the client submits requests to. In CamelCase."
 )
-_METADATA_DOC = "Standard object's metadata: name, namespace, labels, annotations."
 
 
 def _status_schema() -> dict[str, Any]:
@@ -194,7 +193,9 @@ def render_crd(kind: str) -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
                                 "kind": {"type": "string", "description": _KIND_DOC},
-                                "metadata": {"type": "object", "description": _METADATA_DOC},
+                                # only type (and restrictions of name / generateName) allowed here: the
+                                # API server refuses a CRD whose metadata schema says more, a description too
+                                "metadata": {"type": "object"},
                                 "spec": spec_schema,
                                 "status": _status_schema(),
                             },
