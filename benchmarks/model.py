@@ -204,8 +204,10 @@ def bench_jagged_attention(num_rounds: int, batch: int = BATCH, max_len: int = M
     times = rounds(fns, num_rounds=num_rounds)
     chosen = common_precision(times, "padded", "jagged")
     best_padded, best_jagged = chosen["padded"], chosen["jagged"]
-    # Same outputs: the fast path against the padded one, both in fp32.
-    err = (jagged(torch.float32)() - padded(torch.float32)()).abs().max().item()
+    # Same outputs: the fast path against the padded one, in fp32 and in the precision the ratio timed.
+    timed = best_jagged.removeprefix("jagged_")
+    err = {f"jagged_attention_max_abs_err_{dt}": (jagged(TORCH_DTYPE[dt])().float() - padded(TORCH_DTYPE[dt])().float())
+           .abs().max().item() for dt in dict.fromkeys(("fp32", timed))}
     pairs = float((lengths.double() ** 2).sum())
     buckets = plan_buckets(offsets)
     tiled_pairs = sum(bk.size * bk.q_len * bk.k_len for bk in buckets.buckets)
@@ -213,7 +215,7 @@ def bench_jagged_attention(num_rounds: int, batch: int = BATCH, max_len: int = M
         "jagged_attention_speedup": paired_ratio(times, best_padded, best_jagged),
         "jagged_attention_ideal": batch * max_len**2 / pairs,
         "jagged_attention_tile_ideal": batch * max_len**2 / tiled_pairs,
-        "jagged_attention_max_abs_err_fp32": err,
+        **err,
         "jagged_attention_num_buckets": len(buckets),
         "seconds": summary(times),
         "chosen": {"padded": best_padded, "jagged": best_jagged},

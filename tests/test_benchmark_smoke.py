@@ -78,6 +78,8 @@ def test_model_smoke(tmp_path):
     assert r["block_attention_ideal"] == long / short and r["mfu_ideal"] == 1.0
     assert 0 < r["compskip_flop_reduction"] < 1
     assert 0 <= r["jagged_attention_max_abs_err_fp32"] < 1e-3  # the jagged path computes the padded one's result
+    timed = doc["details"]["jagged_attention"]["chosen"]["jagged"].removeprefix("jagged_")
+    assert 0 <= r[f"jagged_attention_max_abs_err_{timed}"] < 0.05  # ... in the precision the ratio timed too
     assert r["max_len"] <= model_bench.SMOKE_MAX_LEN and count(r["total_tokens"]) and count(r["jagged_attention_num_buckets"])
 
     # The ratios recompute from the best times in `details`.
@@ -115,6 +117,12 @@ def test_model_ratios_compare_both_sides_in_one_precision(monkeypatch):
     j = model_bench.bench_jagged_attention(1, batch=4, max_len=32)
     assert j["chosen"] == {"padded": "padded_fp32", "jagged": "jagged_fp32"}
     assert j["jagged_attention_speedup"] == 2.0  # 1.0 / 0.5, not fp32 padded over bf16 jagged (10)
+    assert set(j) >= {"jagged_attention_max_abs_err_fp32"}
+    fake["padded_bf16"] = 0.8  # now the pair is faster in bf16: its outputs are compared in bf16 too
+    j = model_bench.bench_jagged_attention(1, batch=4, max_len=32)
+    assert j["chosen"] == {"padded": "padded_bf16", "jagged": "jagged_bf16"} and j["jagged_attention_speedup"] == 8.0
+    assert 0 <= j["jagged_attention_max_abs_err_fp32"] < 1e-5 and 0 <= j["jagged_attention_max_abs_err_bf16"] < 0.05
+    fake["padded_bf16"] = 3.0
     p = model_bench.bench_pffn(1, batch=4, max_len=32)
     assert set(p["chosen"].values()) == {"pffn_fp32", "token_ffn_4d_fp32", "token_ffn_1d_fp32"}
     assert p["pffn_forward_speedup"] == 2.0
