@@ -17,9 +17,9 @@ examples at positions r, r + W, ... of the permutation, so the ranks together co
 (none skipped, none twice), and on the same world size continues exactly. A state without
 `streams` (saved before it existed) resumes the old way, as per-rank cursors.
 
-Evaluation per source: `source_metrics(predict, {"name": eval_examples, ...})` adds
-`ne/click@name`, `auc/click@name`, ... beside the metrics of the union, so the effect of a
-weight is visible in MLflow.
+Evaluation per source: the trainer's gem.eval.evaluate.evaluate_sources adds `ne/click@name`,
+`auc/click@name`, ... beside the headline metrics, so the effect of a weight is visible in MLflow;
+`source_metrics(predict, {"name": eval_examples, ...})` is the same over every source given.
 """
 
 from __future__ import annotations
@@ -202,21 +202,13 @@ def _same_sources(saved: Sequence[str], names: Sequence[str]) -> None:
 def source_metrics(predict: Callable[[Batch], dict[str, torch.Tensor]], sources: Mapping[str, Examples], *,
                    max_seq_len: int, rank: int = 0, world_size: int = 1, device: torch.device | None = None,
                    gather: Callable[[Any], list[Any]] | None = None) -> dict[str, float]:
-    """Metrics of the union of the sources' eval splits, plus every metric `@name` per source.
+    """Metrics of the union of the sources' eval splits, plus, with several, every metric `@name` per source (the
+    trainer's evaluation, with every source in the headline).
 
     Collective when world_size > 1 (pass gem.train.dist.all_gather_objects as gather).
     """
-    from gem.eval.evaluate import collect_predictions, metrics_from_predictions
+    from gem.eval.evaluate import evaluate_sources, predictions_by_source
 
-    device = device or torch.device("cpu")
-    gather = gather or (lambda x: [x])
-    per_source: dict[str, list[dict[str, np.ndarray]]] = {}
-    for name, ex in sources.items():
-        mine = collect_predictions(predict, ex, max_seq_len=max_seq_len, rank=rank, world_size=world_size,
-                                   device=device)
-        per_source[name] = gather(mine)
-    metrics = metrics_from_predictions([p for parts in per_source.values() for p in parts])
-    for name, parts in per_source.items():
-        for key, value in metrics_from_predictions(parts).items():
-            metrics[f"{key}@{name}"] = value
-    return metrics
+    per_source = predictions_by_source(predict, sources, max_seq_len=max_seq_len, rank=rank, world_size=world_size,
+                                       device=device or torch.device("cpu"), gather=gather)
+    return evaluate_sources(per_source, list(sources)).metrics
