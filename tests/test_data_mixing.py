@@ -114,3 +114,23 @@ def test_resume_refuses_reordered_or_renamed_sources(sources, tmp_path):
     streamed({"b": "b", "a": "a"}).load_state_dict(saved.state_dict())  # by name: the order does not matter
     with pytest.raises(ValueError, match=r"\['a', 'b'\].*\['a', 'c'\].*spec.data.sources"):
         streamed({"a": "a", "c": "b"}).load_state_dict(saved.state_dict())
+
+
+def test_resume_refuses_a_single_source_state(sources, tmp_path):
+    """A checkpoint of a one-source run resumed with data.sources: its position is no source's cursor."""
+    from gem.data.loader import ShardedLoader
+
+    train, _ = sources
+    single = ShardedLoader(train["a"], batch_size=16, max_seq_len=8, rank=0, world_size=1, seed=0)
+    for _ in range(5):
+        single.next_batch()
+    mixed = MixedLoader(train, [1, 1], batch_size=16, max_seq_len=8, seed=0)
+    with pytest.raises(ValueError, match=r"one data source.*\['a', 'b'\].*spec.data.sources"):
+        mixed.load_state_dict(single.state_dict())
+    write_synthetic(spec(1, 1200), tmp_path / "a", rows_per_group=200)
+    loaders = {n: ParquetLoader(tmp_path / "a" / "train", batch_size=16, max_seq_len=8, seed=0) for n in "ab"}
+    with pytest.raises(ValueError, match="one data source"):
+        MixedLoaders(loaders, {"a": 1, "b": 1}, batch_size=16).load_state_dict(loaders["a"].state_dict())
+    old = MixedLoader(train, [1, 1], batch_size=16, max_seq_len=8, seed=0)
+    old.load_state_dict({"position": 3})  # a MixedLoader state from before cursors were saved still loads
+    assert old.cursors == [int(c) for c in sum(old.counts_at(j) for j in range(3))]

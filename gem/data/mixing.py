@@ -132,6 +132,9 @@ class MixedLoader:
         # cursors and streams are per source index (and a source's order is seeded by its index): a
         # reordered or renamed source list would silently resume each source at another's position
         _same_sources(state.get("names", self.names), self.names)
+        if not {"names", "cursors"} & state.keys() and state.keys() - {"position"}:
+            # a single source's loader ({"position", "epoch", ...}): its position is not this mix's
+            _same_sources(["<one data source>"], self.names)
         self.position = int(state["position"])
         if "cursors" in state:
             self.cursors = [int(c) for c in state["cursors"]]
@@ -182,7 +185,8 @@ class MixedLoaders:
         return {"position": self.position, "loaders": {n: l.state_dict() for n, l in self.loaders.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _same_sources(sorted(state["loaders"]), sorted(self.names))  # by name: the order may change
+        # by name: the order may change; a single source's state has no "loaders"
+        _same_sources(sorted(state.get("loaders", ["<one data source>"])), sorted(self.names))
         self.position = int(state["position"])
         for n, s in state["loaders"].items():
             self.loaders[n].load_state_dict(s)
@@ -194,6 +198,7 @@ class MixedLoaders:
 
 
 def _same_sources(saved: Sequence[str], names: Sequence[str]) -> None:
+    """Refuse a loader state saved over other sources than this run's (names in the order compared)."""
     if list(saved) != list(names):
         raise ValueError(f"the checkpoint's loader state mixes the sources {list(saved)} in this order, this run "
                          f"{list(names)}: resume with spec.data.sources as they were saved")
