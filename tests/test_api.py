@@ -96,10 +96,31 @@ def test_kubectl_explain_has_a_description_for_every_top_level_field(kind):
     # The API server refuses a root metadata schema with anything but type and restrictions of
     # name / generateName ("must not specify anything other than name and generateName"), a
     # description included: kubectl explain takes it from ObjectMeta.
-    assert schema["properties"]["metadata"] == {"type": "object"}
+    metadata = schema["properties"]["metadata"]
+    assert set(metadata) <= {"type", "properties"} and metadata["type"] == "object"
+    assert set(metadata.get("properties", {})) <= {"name", "generateName"}
     for path, node in _walk(schema["properties"]["status"], "status"):
         if not path.endswith(("[]", "{}")):
             assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
+
+
+@pytest.mark.parametrize("name", ["a", "gem-sample", "g" * 63, "g" * 64, "my.job", "1st-run", "Caps", "trailing-"])
+def test_the_crd_refuses_the_names_the_operator_refuses(name):
+    """The CRD took any DNS subdomain (253 characters, dots) as metadata.name, so `kubectl apply` of
+    my.job or a 64-character name succeeded and the operator marked it Invalid afterwards."""
+    from gem.api.validation import runnable_field_problems
+
+    for kind in KINDS:
+        meta = crds.render_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["metadata"]
+        crd_ok = jsonschema.Draft4Validator(meta).is_valid({"name": name})
+        spec = {"teacher": {"checkpoint": "/c"}} if kind == "LoopFMDistill" else {}
+        try:
+            obj = parse_object({"kind": kind, "metadata": {"name": name}, "spec": spec})
+        except pydantic.ValidationError:
+            operator_ok = False
+        else:
+            operator_ok = not [w for w, _ in runnable_field_problems(obj) if w == "metadata.name"]
+        assert crd_ok == operator_ok, (kind, name, crd_ok)
 
 
 def test_crd_defaults_validate_against_their_own_schema():

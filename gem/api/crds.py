@@ -119,6 +119,11 @@ _KIND_DOC = (
     "from the endpoint the client submits requests to. In CamelCase."
 )
 
+#: metadata.name as the operator takes it (ObjectMeta's 63 characters, and a letter first: the
+#: PyTorchJob's Services are DNS-1035 labels, gem.api.validation): refused at apply, not marked
+#: Invalid afterwards.
+_NAME_SCHEMA = {"type": "string", "maxLength": 63, "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$"}
+
 
 def _status_schema() -> dict[str, Any]:
     schema = schema_for(JobStatus)
@@ -195,9 +200,9 @@ def render_crd(kind: str) -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
                                 "kind": {"type": "string", "description": _KIND_DOC},
-                                # only type (and restrictions of name / generateName) allowed here: the
-                                # API server refuses a CRD whose metadata schema says more, a description too
-                                "metadata": {"type": "object"},
+                                # only type and restrictions of name / generateName allowed here: the API
+                                # server refuses a CRD whose metadata schema says more, a description too
+                                "metadata": {"type": "object", "properties": {"name": _NAME_SCHEMA}},
                                 "spec": spec_schema,
                                 "status": _status_schema(),
                             },

@@ -20,7 +20,9 @@ Both resources live in the API group `{GROUP}`, version `{VERSION}`. The pydanti
 generated from them by `make crds` (a test fails when either drifts). `kubectl explain
 gemtraining.spec.training` shows the same descriptions. Field names are the camelCase ones below
 (`batchSize`, not `batch_size`): the API server drops or refuses a field the CRD does not have, so
-`gemctl` and `gem train --config` refuse it too, as an unknown field.
+`gemctl` and `gem train --config` refuse it too, as an unknown field. `metadata.name` is at most 63
+lowercase letters, digits and `-`, starting with a letter and ending with a letter or digit (the
+job's Services are named after it); the CRD refuses other names.
 
 Rules the schema cannot express are checked by the operator, which reports them as a `Valid=False`
 condition and a Warning Event naming the field: `model.embeddingDim` divisible by `model.numHeads`;
