@@ -106,9 +106,9 @@ CASES = [("tiny", True, 32, 512), ("tiny", False, 32, 512), ("small", True, 16, 
 
 @pytest.mark.parametrize("preset,compskip,batch,max_len", CASES)
 def test_every_component_count_matches_flop_counter(preset, compskip, batch, max_len):
-    """Seeded LogNormal histories (the benchmark's distribution, shorter; `large` passes too, in ~1 min
-    a case, so it is left out): per component, the
-    count plus the tiles' padding equals what ran, exactly; and the backward is 2x the forward."""
+    """Seeded LogNormal histories (the benchmark's distribution, shorter): per component, the
+    count plus the tiles' padding equals what ran, exactly; and the backward is 2x the forward.
+    `large` passes too (checked by hand) but takes ~1 min a case, so it is left out."""
     cfg = dataclasses.replace(PRESETS[preset], compskip=compskip)
     if preset == "base":  # 4 layers (alternating block shifts), 6 head experts; small's tables: sizes are not counted
         cfg = dataclasses.replace(cfg, features=PRESETS["small"].features)
