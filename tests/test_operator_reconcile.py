@@ -517,3 +517,21 @@ def test_a_late_job_event_does_not_move_a_finished_resource_back(cluster):
     assert reconcile_stored(cluster, "GEMTraining", "late")["phase"] == "Succeeded"  # the timer saw the end
     reconcile.sync_from_job(running, LOG)  # the Running event, handled late
     assert cluster.get(API, "GEMTraining", "late")["status"]["phase"] == "Succeeded"
+
+
+def test_a_job_named_by_an_earlier_release_is_still_found(cluster, monkeypatch):
+    # render.job_name's budget for long names changed (840fb89: room for every worker's Service), so a
+    # 45-48 character GEMTraining's job, created by the previous operator, has another name than the
+    # one this release renders. Before the fix the upgraded operator looked under the new name only,
+    # found nothing and failed the running resource with JobDeleted.
+    name = "a" * 46
+    stored(cluster, "GEMTraining", name)
+    real = render.job_name
+    monkeypatch.setattr(render, "job_name", lambda kind, n: f"{n}-train")  # the earlier release's name
+    reconcile_stored(cluster, "GEMTraining", name)
+    monkeypatch.setattr(render, "job_name", real)
+    assert real("GEMTraining", name) != f"{name}-train"
+    status = reconcile_stored(cluster, "GEMTraining", name)
+    assert (status["phase"], status["pytorchJob"]) == ("Created", f"{name}-train"), status
+    assert "JobDeleted" not in warnings(cluster, name)
+    assert [j["metadata"]["name"] for j in cluster.list(JOBS, "PyTorchJob")] == [f"{name}-train"]

@@ -204,7 +204,9 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     except InvalidSpec as e:
         obj, problem = None, str(e)
 
-    job_name = render.job_name(kind, name)
+    # The job's name as recorded: an operator of an earlier release may have named it otherwise
+    # (render.job_name's budget for long names changed), and it must still be found.
+    job_name = status.get("pytorchJob") or render.job_name(kind, name)
     existing = kube.get_pytorchjob(ns, job_name)
     if existing is not None and kube.owned_by(existing, meta.get("uid")):
         # A job runs: an invalid edit is a rejected change like any other, the job is left alone.
