@@ -134,3 +134,21 @@ def test_resume_refuses_a_single_source_state(sources, tmp_path):
     old = MixedLoader(train, [1, 1], batch_size=16, max_seq_len=8, seed=0)
     old.load_state_dict({"position": 3})  # a MixedLoader state from before cursors were saved still loads
     assert old.cursors == [int(c) for c in sum(old.counts_at(j) for j in range(3))]
+
+
+def test_a_one_source_run_refuses_a_mixed_state(sources, tmp_path):
+    """The reverse: a mixed run's checkpoint resumed with one data source. Its position counts batches of
+    the mix; the one-source loaders took it as their own (no consumed/layouts key: the old-state path)."""
+    from gem.data.loader import ShardedLoader
+
+    train, _ = sources
+    mixed = MixedLoader(train, [1, 1], batch_size=16, max_seq_len=8, seed=0)
+    mixed.next_batch()
+    single = ShardedLoader(train["a"], batch_size=16, max_seq_len=8, rank=0, world_size=1, seed=0)
+    with pytest.raises(ValueError, match=r"mixes the sources \['a', 'b'\], this run reads one data source"):
+        single.load_state_dict(mixed.state_dict())
+    write_synthetic(spec(1, 1200), tmp_path / "a", rows_per_group=200)
+    loaders = {n: ParquetLoader(tmp_path / "a" / "train", batch_size=16, max_seq_len=8, seed=0) for n in "ab"}
+    both = MixedLoaders(loaders, {"a": 1, "b": 1}, batch_size=16)
+    with pytest.raises(ValueError, match=r"mixes the sources \['a', 'b'\]"):
+        ParquetLoader(tmp_path / "a" / "train", batch_size=16, max_seq_len=8, seed=0).load_state_dict(both.state_dict())

@@ -43,6 +43,15 @@ def loader_rng(seed: int, stream: int, *words: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *words], spawn_key=(LOADER_STREAMS, stream)))
 
 
+def refuse_mixed_state(state: dict[str, Any]) -> None:
+    """A one-source loader refuses the state of a mixed run (MixedLoader's names and cursors,
+    MixedLoaders' per-source states): its position counts batches of the mix, not of this source."""
+    if {"names", "cursors", "loaders"} & state.keys():
+        saved = state.get("names") or sorted(state.get("loaders") or []) or "several sources"
+        raise ValueError(f"the checkpoint's loader state mixes the sources {saved}, this run reads one data "
+                         "source: resume with spec.data.sources as they were saved")
+
+
 def locate(position: int, anchor: tuple[int, int, Any] | None, *, per_epoch: int,
            left_from: Callable[[int, Any], int], what: str, fresh: Any = 0) -> tuple[int, Any, int]:
     """(epoch, start, i): unit `position` (a batch, or an example) of a rank's stream is unit i of
@@ -95,6 +104,7 @@ class ShardedLoader:
                 "consumed": offset + j * self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        refuse_mixed_state(state)
         self.position = int(state["position"])
         if "consumed" in state:
             self._anchor = (self.position, int(state["epoch"]), int(state["consumed"]))

@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem.data.batch import Batch, make_batch
-from gem.data.loader import PARQUET_GROUPS, PARQUET_WINDOW, loader_rng, locate
+from gem.data.loader import PARQUET_GROUPS, PARQUET_WINDOW, loader_rng, locate, refuse_mixed_state
 from gem.data.errors import SpecError
 from gem.data.synthetic import NUM_EVENT_TYPES, Examples
 
@@ -485,6 +485,7 @@ class ParquetLoader:
                 "layouts": [{"worldSize": w, "batches": b} for w, b in layouts]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        refuse_mixed_state(state)
         self.position = int(state["position"])
         if "layouts" not in state:  # saved before `layouts` existed: batches of this world size's layout
             self._anchor = None
