@@ -58,7 +58,8 @@ def test_crd_schema_is_structural_and_documented(kind):
     schema = version["schema"]["openAPIV3Schema"]
     forbidden = {"$ref", "anyOf", "oneOf", "allOf", "title", "const", "$defs"}
     for path, node in _walk(schema["properties"]["spec"], "spec"):
-        assert node.get("type") or node.get("x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
+        assert node.get("type") or node.get("x-kubernetes-preserve-unknown-fields") or (
+            node.get("x-kubernetes-int-or-string") and "type" not in node), f"{path} has no type"
         assert not forbidden & set(node), f"{path} uses {forbidden & set(node)}"
         if path != "spec" and not path.endswith(("[]", "{}")):
             assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
@@ -264,6 +265,32 @@ def test_bounds_on_map_values_and_list_items_are_in_the_crd(spec, field):
     with pytest.raises(pydantic.ValidationError) as e:
         parse_object(doc)
     assert field.removeprefix("spec.").replace("[1]", ".1") in str(e.value)
+
+
+def test_cpu_and_memory_take_numbers_as_kubernetes_quantities_do():
+    """`cpu: 8` is how a Pod's requests are written; the CRD (type string) and the model refused it."""
+    from tests.kubeapi.schema import apply_defaults, prune, validate
+
+    schema = crds.render_crd("GEMTraining")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    doc = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "q"},
+           "spec": {"resources": {"cpu": 8, "memory": 68719476736}}}
+    stored = apply_defaults(prune(yaml.safe_load(yaml.safe_dump(doc)), schema, root=True), schema)
+    assert validate(stored, schema, root=True) == []
+    obj = parse_object(stored)
+    assert (obj.spec.resources.cpu, obj.spec.resources.memory) == ("8", "68719476736")
+    requests = render.render_pytorchjob(obj)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["resources"]["requests"]
+    assert requests == {"cpu": "8", "memory": "68719476736"}
+    jsonschema.validate(render.render_pytorchjob(obj), _pytorchjob_schema())
+    # a string still has to be a quantity, in both; a fraction of a number is not an int-or-string
+    bad = {**doc, "spec": {"resources": {"cpu": "8 cores"}}}
+    assert [f for f, _, _ in validate(bad, schema, root=True)] == ["spec.resources.cpu"]
+    with pytest.raises(pydantic.ValidationError, match="resources.cpu"):
+        parse_object(bad)
+    assert [f for f, _, _ in validate({**doc, "spec": {"resources": {"cpu": 0.5}}}, schema, root=True)] == [
+        "spec.resources.cpu"]
+    with pytest.raises(pydantic.ValidationError, match="resources.cpu"):
+        parse_object({**doc, "spec": {"resources": {"cpu": 0.5}}})
 
 
 def test_teacher_must_name_exactly_one_source():

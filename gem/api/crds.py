@@ -50,6 +50,8 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             merged.pop("default")
         return _structural(merged)
 
+    if node.get("x-kubernetes-int-or-string"):
+        node.pop("type", None)  # int-or-string: a structural schema gives it no type
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(node["exclusiveMinimum"], bool):

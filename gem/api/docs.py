@@ -35,6 +35,8 @@ While a job exists only `spec.suspend` may change; other changes are rejected wi
 
 
 def _type_of(node: dict[str, Any]) -> str:
+    if node.get("x-kubernetes-int-or-string"):
+        return "int \\| string"
     t = node.get("type", "object")
     if t == "array":
         return f"[]{_type_of(node.get('items', {}))}"

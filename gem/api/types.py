@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "gem.dev"
@@ -312,11 +312,25 @@ class Toleration(ApiModel):
     )
 
 
+def _int_to_str(value: Any) -> Any:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+#: A Kubernetes quantity: a string, or an integer as a Pod's requests take it (`cpu: 8`); kept as a
+#: string. The CRD says int-or-string (its pattern applies to strings only, as in kube-openapi).
+Quantity = Annotated[str, BeforeValidator(_int_to_str)]
+_INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+
+
 class ResourcesSpec(ApiModel):
     gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu requested by each pod.")
-    cpu: str = Field("1", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request of each pod, e.g. 8 or 500m.")
-    memory: str = Field(
-        "2Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$", description="Memory request of each pod, e.g. 64Gi."
+    cpu: Quantity = Field(
+        "1", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request of each pod, e.g. 8 or 500m.",
+        json_schema_extra=_INT_OR_STRING,
+    )
+    memory: Quantity = Field(
+        "2Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$", description="Memory request of each pod, e.g. 64Gi.",
+        json_schema_extra=_INT_OR_STRING,
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints of the GPU node pool to tolerate.")
