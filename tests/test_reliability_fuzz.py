@@ -65,6 +65,9 @@ def from_openapi(s: dict) -> st.SearchStrategy:
     """
     if "enum" in s:
         values = st.sampled_from(s["enum"])
+    elif s.get("x-kubernetes-int-or-string"):  # a quantity: an integer, or a string (its pattern applies to strings)
+        string = st.from_regex(s["pattern"], fullmatch=True) if "pattern" in s else _text()
+        values = st.one_of(st.integers(0, INT64), string)
     elif s.get("type") == "object":
         props = s.get("properties")
         if props:
@@ -130,8 +133,9 @@ def _leaves(schema: dict, value: Any, path: tuple = ()) -> list[tuple[tuple, dic
 
 def _wrong_type(schema: dict, rng: random.Random) -> Any:
     """A value no lax parser turns into the schema's type."""
-    t = schema.get("type")
+    t = "int-or-string" if schema.get("x-kubernetes-int-or-string") else schema.get("type")
     choices = {
+        "int-or-string": [[1, 2], {"a": 1}, True],
         "string": [[1, 2], {"a": 1}],
         "integer": ["many", {"n": 1}, [3]],
         "number": ["lots", {"x": 1.5}, [0.1]],
