@@ -280,3 +280,28 @@ def test_funnel_loss_is_masked_where_a_label_cannot_exist(splits):
     clicked = batch.click > 0
     want = F.binary_cross_entropy_with_logits(logits["conversion"][clicked], batch.conversion[clicked])
     assert torch.allclose(parts["conversion"], want)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("interestDrift", float("inf")), ("meanHistoryLen", float("inf")), ("qualityNoise", float("inf")),
+    ("conversionDelayHours", float("inf")), ("attributionWindowHours", float("inf")),
+    ("surfaceMix", [float("inf"), 0.0, 0.0, 1.0]),
+])
+def test_non_finite_knobs_are_refused_naming_the_field(field, value):
+    """inf passes ge=0: interestDrift .inf crashed building the world (OverflowError), meanHistoryLen
+    .inf crashed sampling, qualityNoise .inf gave infinite dense features, an infinite surfaceMix share NaN; NaN was refused already."""
+    with pytest.raises(ValueError, match=rf"(?s){field}.*finite number"):
+        SyntheticDataSpec.model_validate({field: value})
+
+
+@pytest.mark.parametrize("update", [
+    {"num_users": 1, "num_ads": 1, "num_organic_posts": 1}, {"mean_history_len": 0.01},
+    {"interest_drift": 1e9}, {"surface_mix": [0.0, 0.0, 0.0, 1e-300]}, {"ads_per_campaign": 10**9},
+    {"conversion_delay_hours": 1e-6, "attribution_window_hours": 1e9},
+])
+def test_extreme_worlds_are_valid(update):
+    ex = SyntheticWorld(SPEC.model_copy(update=update)).sample(2000, split=0)
+    for p in (ex.p_click, ex.p_conversion, ex.p_dwell):
+        assert np.isfinite(p).all() and ((p >= 0) & (p <= 1)).all()
+    assert np.isfinite(ex.dense).all() and (ex.seq_lengths >= 1).all()
+    assert (ex.seq_timestamp < np.repeat(ex.request_time, ex.seq_lengths)).all()  # strictly before the request

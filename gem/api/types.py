@@ -98,6 +98,9 @@ class DataSourceKind(str, Enum):
 class SyntheticDataSpec(ApiModel):
     """A seeded synthetic ads world with known click and conversion probabilities."""
 
+    # an infinite knob (YAML .inf) passes ge=0 but crashes the world or makes its features infinite
+    model_config = ConfigDict(allow_inf_nan=False)
+
     # numpy splits a seed >= 2^32 into 32-bit words and drops trailing zero words, so such seeds
     # would reuse smaller seeds' random streams (seed 2^32's train split is seed 0's eval split)
     seed: int = Field(0, ge=0, le=2**32 - 1, description="World seed: a different seed is a held-out world.")
