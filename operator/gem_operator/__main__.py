@@ -8,6 +8,9 @@ import os
 import random
 
 
+LOG_FORMATS = ("full", "plain", "json")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gem-operator", description="Reconcile GEMTraining and LoopFMDistill into PyTorchJobs.")
     scope = p.add_mutually_exclusive_group()
@@ -33,13 +36,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mlflow-tracking-uri", default=None, help="MLflow URI given to trainer pods (or $GEM_MLFLOW_TRACKING_URI).")
     p.add_argument(
         "--log-format",
-        choices=["full", "plain", "json"],
+        choices=LOG_FORMATS,
         default=os.environ.get("GEM_LOG_FORMAT", "full"),
         help="full: timestamped text (default); plain: messages only; json: one JSON object per line, with the "
         "resource as `object` (or $GEM_LOG_FORMAT).",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.log_format not in LOG_FORMATS:  # argparse checks choices on the command line, not on a default
+        p.error(f"GEM_LOG_FORMAT={args.log_format!r}: must be one of {', '.join(LOG_FORMATS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,14 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["GEM_WATCH_NAMESPACES"] = ",".join(args.namespace)
     import kopf
 
-    import gem_operator.handlers  # noqa: F401  (registers the handlers)
+    import gem_operator.handlers  # noqa: F401  (registers the handlers; a bad GEM_* value exits here, named)
+    from gem_operator.settings import CONFIG
 
     log_format = {"full": kopf.LogFormat.FULL, "plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON}[args.log_format]
     kopf.configure(verbose=args.verbose, log_format=log_format, log_prefix=args.log_format != "json")
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     kopf.run(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
+        clusterwide=not CONFIG.namespaces,
+        namespaces=CONFIG.namespaces,
         standalone=args.peering is None,
         peering_name=args.peering,
         # Replicas with equal priorities would all freeze: give each its own unless told.

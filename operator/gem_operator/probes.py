@@ -16,7 +16,6 @@ The answer is cached for a few seconds so probes do not load the API server. 200
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import urllib.parse
 from typing import Any
@@ -28,7 +27,6 @@ from gem_operator.settings import CONFIG
 
 #: Seconds a readiness answer is reused.
 CACHE_SECONDS = 5.0
-TIMEOUT_SECONDS = float(os.environ.get("GEM_READINESS_TIMEOUT_SECONDS") or 3)
 
 _state: dict[str, Any] = {"started": False, "runner": None, "checked": 0.0, "answer": None}
 
@@ -36,7 +34,7 @@ _state: dict[str, Any] = {"started": False, "runner": None, "checked": 0.0, "ans
 def _list_one(group: str, version: str, plural: str) -> None:
     from gem_operator import kube
 
-    api, timeout = kube.custom(), (TIMEOUT_SECONDS, TIMEOUT_SECONDS)
+    api, timeout = kube.custom(), (CONFIG.readiness_timeout_seconds,) * 2
     if CONFIG.namespaces:  # a namespaced operator may only be allowed to list its namespaces
         for ns in CONFIG.namespaces:
             api.list_namespaced_custom_object(group, version, ns, plural, limit=1, _request_timeout=timeout)

@@ -3,10 +3,50 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from gem.api import render
 from gem.api.types import DEFAULT_TRAINER_IMAGE
+
+
+class SettingsError(ValueError):
+    """A GEM_* variable holds a value the operator cannot use; the message names it and the fix."""
+
+
+def _number(name: str, default: float, minimum: float, cast: type = float) -> float:
+    """$name as a number >= minimum (unset or empty: default), or SettingsError naming it.
+
+    A resync of 0 s would spin the timer against the API server and a negative one is meaningless:
+    refused at start rather than taken as given or silently defaulted.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    noun = "a whole number" if cast is int else "a number"
+    try:
+        value = cast(raw)
+    except ValueError:
+        value = None
+    if value is None or value != value or value in (float("inf"), float("-inf")) or value < minimum:
+        raise SettingsError(f"{name}={raw!r}: must be {noun} >= {minimum:g} (unset: {default:g})")
+    return value
+
+
+#: A namespace name (RFC 1123 label), as the API server requires it.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def parse_namespaces(values: list[str] | str, source: str) -> tuple[str, ...]:
+    """Namespaces from repeated values and/or comma-separated lists, or SettingsError naming `source`."""
+    names = [n.strip() for v in ([values] if isinstance(values, str) else values) for n in v.split(",")]
+    bad = [n for n in names if n and not _NAMESPACE.fullmatch(n)]
+    if bad:
+        raise SettingsError(
+            f"{source}: {', '.join(repr(n) for n in bad)} is not a namespace name "
+            "(lowercase letters, digits and '-', at most 63 characters; separate several with commas)"
+        )
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
 @dataclass(frozen=True)
@@ -36,6 +76,8 @@ class OperatorConfig:
     #: Longest delay (seconds) between retries of a reconcile that hit a transient API error;
     #: retries start at 1 s and double up to this.
     retry_max_seconds: float = 30.0
+    #: Seconds each of the readiness probe's API checks may take.
+    readiness_timeout_seconds: float = 3.0
     #: Serve the readiness probe here (e.g. http://0.0.0.0:8081/readyz); None: no readiness endpoint.
     readiness_url: str | None = None
     namespaces: tuple[str, ...] = field(default_factory=tuple)
@@ -50,22 +92,34 @@ class OperatorConfig:
 
     @classmethod
     def from_env(cls) -> "OperatorConfig":
+        """The configuration from GEM_* variables; SettingsError names a variable whose value is unusable."""
         return cls(
             mlflow_tracking_uri=os.environ.get("GEM_MLFLOW_TRACKING_URI") or None,
             mlflow_ui_url=os.environ.get("GEM_MLFLOW_UI_URL") or None,
-            resync_seconds=float(os.environ.get("GEM_RESYNC_SECONDS", "30")),
-            teacher_poll_seconds=float(os.environ.get("GEM_TEACHER_POLL_SECONDS", "5")),
+            resync_seconds=_number("GEM_RESYNC_SECONDS", 30, minimum=1),
+            teacher_poll_seconds=_number("GEM_TEACHER_POLL_SECONDS", 5, minimum=0.1),
             trainer_image=os.environ.get("GEM_TRAINER_IMAGE") or None,
             mlflow_credentials_secret=os.environ.get("GEM_MLFLOW_CREDENTIALS_SECRET") or None,
             kueue_queue_name=os.environ.get("GEM_KUEUE_QUEUE_NAME") or None,
             kueue_queue_label=os.environ.get("GEM_KUEUE_QUEUE_LABEL") or "kueue.x-k8s.io/queue-name",
-            metrics_port=int(os.environ.get("GEM_METRICS_PORT") or 0),
-            peering_lifetime=int(os.environ.get("GEM_PEERING_LIFETIME") or 60),
-            api_timeout_seconds=float(os.environ.get("GEM_API_TIMEOUT_SECONDS") or 30),
-            retry_max_seconds=float(os.environ.get("GEM_RETRY_MAX_SECONDS") or 30),
+            metrics_port=_port("GEM_METRICS_PORT"),
+            peering_lifetime=_number("GEM_PEERING_LIFETIME", 60, minimum=1, cast=int),
+            api_timeout_seconds=_number("GEM_API_TIMEOUT_SECONDS", 30, minimum=1),
+            retry_max_seconds=_number("GEM_RETRY_MAX_SECONDS", 30, minimum=1),
+            readiness_timeout_seconds=_number("GEM_READINESS_TIMEOUT_SECONDS", 3, minimum=0.1),
             readiness_url=os.environ.get("GEM_READINESS_URL") or None,
-            namespaces=tuple(n for n in (os.environ.get("GEM_WATCH_NAMESPACES") or "").split(",") if n),
+            namespaces=parse_namespaces(os.environ.get("GEM_WATCH_NAMESPACES") or "", "--namespace / GEM_WATCH_NAMESPACES"),
         )
 
 
-CONFIG = OperatorConfig.from_env()
+def _port(name: str) -> int:
+    port = _number(name, 0, minimum=0, cast=int)
+    if port > 65535:
+        raise SettingsError(f"{name}='{port}': must be a TCP port, 1 to 65535 (0: off)")
+    return int(port)
+
+
+try:
+    CONFIG = OperatorConfig.from_env()
+except SettingsError as e:  # at start, before kopf: one line naming the variable, not a traceback
+    raise SystemExit(f"gem-operator: {e}") from None

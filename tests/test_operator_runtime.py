@@ -1,0 +1,56 @@
+"""The operator's runtime around reconcile: configuration checked at start.
+
+Each case runs `gem-operator` as its own process with a bad value; it must stop before it
+connects to anything, with one line naming the variable (or flag) and what it takes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _start(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gem_operator", "--kubeconfig", str(tmp_path / "no-kubeconfig"), *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("GEM_RESYNC_SECONDS", "abc", "must be a number >= 1"),
+        ("GEM_RESYNC_SECONDS", "0", "must be a number >= 1"),  # would spin the timer against the API
+        ("GEM_RESYNC_SECONDS", "-5", "must be a number >= 1"),
+        ("GEM_METRICS_PORT", "x", "must be a whole number >= 0"),
+        ("GEM_METRICS_PORT", "70000", "must be a TCP port"),
+        ("GEM_API_TIMEOUT_SECONDS", "nan", "must be a number >= 1"),
+        ("GEM_LOG_FORMAT", "text", "must be one of full, plain, json"),
+    ],
+)
+def test_a_bad_env_value_stops_the_operator_naming_the_variable(tmp_path, name, value, expected):
+    run = _start(tmp_path, "-n", "default", **{name: value})
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"{name}={value!r}" in run.stderr and expected in run.stderr, run.stderr
+
+
+def test_a_bad_namespace_stops_the_operator_naming_it(tmp_path):
+    run = _start(tmp_path, "-n", "team-a,Team_B")
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "--namespace / GEM_WATCH_NAMESPACES: 'Team_B' is not a namespace name" in run.stderr, run.stderr
+
+
+def test_namespaces_may_be_given_comma_separated(monkeypatch):
+    from gem_operator import settings
+
+    monkeypatch.setenv("GEM_WATCH_NAMESPACES", "team-a, team-b,,team-a")
+    assert settings.OperatorConfig.from_env().namespaces == ("team-a", "team-b")
