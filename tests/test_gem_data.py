@@ -305,3 +305,10 @@ def test_extreme_worlds_are_valid(update):
         assert np.isfinite(p).all() and ((p >= 0) & (p <= 1)).all()
     assert np.isfinite(ex.dense).all() and (ex.seq_lengths >= 1).all()
     assert (ex.seq_timestamp < np.repeat(ex.request_time, ex.seq_lengths)).all()  # strictly before the request
+
+
+@pytest.mark.parametrize("chunk_size", [0, -5, 2.5])
+def test_stream_refuses_a_chunk_size_that_is_not_a_positive_integer(chunk_size):
+    """-5 used to yield no chunks at all (write_synthetic(chunk_size=-5) wrote empty splits); 0 failed inside range()."""
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        list(SyntheticWorld(SPEC).stream(10, split=0, chunk_size=chunk_size))

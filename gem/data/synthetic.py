@@ -300,6 +300,11 @@ class SyntheticWorld:
 
         Deterministic in (world, split, chunk_size); not the same draws as sample(n, split).
         """
+        # a chunk_size <= 0 would yield nothing (or fail inside range()): an empty split, silently
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer (examples per chunk), got {chunk_size!r}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0 (examples to draw), got {n}")
         for i, lo in enumerate(range(0, n, chunk_size)):
             yield self._sample(min(chunk_size, n - lo), np.random.default_rng([self.spec.seed, 3, split, i]))
 
