@@ -291,6 +291,9 @@ def test_cpu_and_memory_take_numbers_as_kubernetes_quantities_do():
         "spec.resources.cpu"]
     with pytest.raises(pydantic.ValidationError, match="resources.cpu"):
         parse_object({**doc, "spec": {"resources": {"cpu": 0.5}}})
+    # a negative integer: the pattern checks strings only, so the CRD's minimum refuses it at apply
+    assert [f for f, _, _ in validate({**doc, "spec": {"resources": {"cpu": -1}}}, schema, root=True)] == [
+        "spec.resources.cpu"]
 
 
 def test_teacher_must_name_exactly_one_source():

@@ -414,3 +414,9 @@ def test_submit_follow_goes_on_after_a_restart_on_a_cluster(kubeapi, tmp_path, m
     pod = kubeapi.get("v1", "Pod", "again-train-master-0")
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 1
 
+
+
+def test_help_texts_keep_their_brackets():
+    # rich reads [pod] as markup and dropped it: "each line prefixed with ."
+    r = CliRunner().invoke(app, ["logs", "--help"], terminal_width=200)
+    assert r.exit_code == 0 and "prefixed with [pod]." in r.output, r.output

@@ -322,7 +322,7 @@ def _int_to_str(value: Any) -> Any:
 #: A Kubernetes quantity: a string, or an integer as a Pod's requests take it (`cpu: 8`); kept as a
 #: string. The CRD says int-or-string (its pattern applies to strings only, as in kube-openapi).
 Quantity = Annotated[str, BeforeValidator(_int_to_str)]
-_INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+_INT_OR_STRING = {"x-kubernetes-int-or-string": True, "minimum": 0}  # minimum: integers; pattern: strings
 
 
 class ResourcesSpec(ApiModel):

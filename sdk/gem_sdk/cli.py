@@ -365,7 +365,7 @@ def logs(
     replica: Annotated[Replica, typer.Option("--replica", help="Replica type.")] = Replica.master,
     index: Annotated[int, typer.Option("--index", help="Replica index (workers: 0..numNodes-2).")] = 0,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the pod exits.")] = False,
-    all_replicas: Annotated[bool, typer.Option("--all-replicas", help="Every replica's log, each line prefixed with [pod].")] = False,
+    all_replicas: Annotated[bool, typer.Option("--all-replicas", help="Every replica's log, each line prefixed with \\[pod].")] = False,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds to wait at most for the pod to start.")] = None,
     previous: Annotated[bool, typer.Option("-p", "--previous", help="The log of the container before the last "
                                            "restart (why a crash-looping container died), as kubectl's.")] = False,
