@@ -312,3 +312,13 @@ def test_stream_refuses_a_chunk_size_that_is_not_a_positive_integer(chunk_size):
     """-5 used to yield no chunks at all (write_synthetic(chunk_size=-5) wrote empty splits); 0 failed inside range()."""
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
         list(SyntheticWorld(SPEC).stream(10, split=0, chunk_size=chunk_size))
+
+
+def test_mean_history_len_is_bounded_so_timestamps_stay_unix_seconds():
+    """meanHistoryLen 60000 was accepted and its longest histories (8x the mean events, ~2 h apart)
+    reached back before 1970: negative seq_timestamp, which the Parquet reader refuses as not seconds."""
+    with pytest.raises(ValueError, match=r"(?s)meanHistoryLen.*less than or equal to 20000"):
+        SyntheticDataSpec.model_validate({"meanHistoryLen": 60000})
+    longest = SyntheticWorld(SPEC.model_copy(update={"mean_history_len": 20000.0}))
+    ex = longest.sample(40, split=0)
+    assert ex.seq_lengths.max() > 40000 and ex.seq_timestamp.min() > 0

@@ -108,8 +108,9 @@ class SyntheticDataSpec(ApiModel):
     num_ads: int = Field(500, ge=1, description="Distinct ads.")
     num_train_examples: int = Field(20000, ge=1, description="Training impressions generated.")
     num_eval_examples: int = Field(4000, ge=1, description="Held-out impressions for evaluation.")
+    # histories run back 8x the mean events at ~2 h each: above 20000 the longest reach before 1970
     mean_history_len: float = Field(
-        48.0, gt=0, description="Mean length of a user's event history (lengths are long-tailed)."
+        48.0, gt=0, le=20000, description="Mean length of a user's event history (lengths are long-tailed)."
     )
     ads_per_campaign: int = Field(8, ge=1, description="Ads (creatives) per campaign.")
     campaigns_per_advertiser: int = Field(4, ge=1, description="Campaigns per advertiser.")
