@@ -54,3 +54,18 @@ def test_namespaces_may_be_given_comma_separated(monkeypatch):
 
     monkeypatch.setenv("GEM_WATCH_NAMESPACES", "team-a, team-b,,team-a")
     assert settings.OperatorConfig.from_env().namespaces == ("team-a", "team-b")
+
+
+@pytest.mark.parametrize(
+    "flag, url",
+    [
+        ("--readiness", "0.0.0.0:8081/readyz"),  # no scheme: the startup handler failed, retried every minute
+        ("--readiness", "http://0.0.0.0/readyz"),  # no port
+        ("--liveness", "0.0.0.0:8080/healthz"),  # no scheme: kopf's liveness server raised a traceback
+    ],
+)
+def test_a_bad_probe_url_stops_the_operator_naming_the_flag(tmp_path, flag, url):
+    run = _start(tmp_path, "-n", "default", flag, url)
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"{flag}" in run.stderr and f"={url!r}: must be http://HOST:PORT/PATH" in run.stderr, run.stderr

@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     import kopf
 
     import gem_operator.handlers  # noqa: F401  (registers the handlers; a bad GEM_* value exits here, named)
-    from gem_operator.settings import CONFIG
+    from gem_operator.settings import CONFIG, SettingsError, probe_url
+
+    try:
+        probe_url(args.liveness, "--liveness", "http://0.0.0.0:8080/healthz")
+    except SettingsError as e:
+        raise SystemExit(f"gem-operator: {e}") from None
 
     log_format = {"full": kopf.LogFormat.FULL, "plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON}[args.log_format]
     kopf.configure(verbose=args.verbose, log_format=log_format, log_prefix=args.log_format != "json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 
 from gem.api import render
@@ -47,6 +48,25 @@ def parse_namespaces(values: list[str] | str, source: str) -> tuple[str, ...]:
             "(lowercase letters, digits and '-', at most 63 characters; separate several with commas)"
         )
     return tuple(dict.fromkeys(n for n in names if n))
+
+
+def probe_url(url: str | None, source: str, example: str) -> str | None:
+    """A probe's URL as served: http://HOST:PORT/PATH, or SettingsError naming `source`.
+
+    Without the scheme (`0.0.0.0:8081/readyz`) kopf's liveness server crashed the operator with a
+    traceback, and the readiness server failed the startup handler, retried every minute: the
+    operator never started and never said why.
+    """
+    if not url:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port:
+        raise SettingsError(f"{source}={url!r}: must be http://HOST:PORT/PATH, e.g. {example}")
+    return url
 
 
 @dataclass(frozen=True)
@@ -107,7 +127,9 @@ class OperatorConfig:
             api_timeout_seconds=_number("GEM_API_TIMEOUT_SECONDS", 30, minimum=1),
             retry_max_seconds=_number("GEM_RETRY_MAX_SECONDS", 30, minimum=1),
             readiness_timeout_seconds=_number("GEM_READINESS_TIMEOUT_SECONDS", 3, minimum=0.1),
-            readiness_url=os.environ.get("GEM_READINESS_URL") or None,
+            readiness_url=probe_url(
+                os.environ.get("GEM_READINESS_URL"), "--readiness / GEM_READINESS_URL", "http://0.0.0.0:8081/readyz"
+            ),
             namespaces=parse_namespaces(os.environ.get("GEM_WATCH_NAMESPACES") or "", "--namespace / GEM_WATCH_NAMESPACES"),
         )
 
