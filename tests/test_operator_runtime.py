@@ -69,3 +69,39 @@ def test_a_bad_probe_url_stops_the_operator_naming_the_flag(tmp_path, flag, url)
     assert run.returncode != 0
     assert "Traceback" not in run.stderr, run.stderr
     assert f"{flag}" in run.stderr and f"={url!r}: must be http://HOST:PORT/PATH" in run.stderr, run.stderr
+
+
+# --------------------------------------------------------------------------- handler errors
+
+
+def test_a_permanent_api_error_leaves_a_warning_event_on_the_resource(tmp_path):
+    # A 403 (say RBAC lacks a rule) is no hiccup: kopf retries it every minute, and before the
+    # fix nothing on the resource said why it stayed without a phase.
+    from tests.kubeapi import KubeAPIServer
+    from tests.kubeapi.testing import wait_for
+
+    with KubeAPIServer(executor=False, workdir=tmp_path / "kubeapi") as cluster:
+        cluster.faults.add(method="POST", path=r"/pytorchjobs", status=403)
+        with open(tmp_path / "op.log", "ab") as out:
+            op = subprocess.Popen(
+                [sys.executable, "-m", "gem_operator", "--kubeconfig", str(cluster.kubeconfig_path), "-n", "default"],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "GEM_RESYNC_SECONDS": "1"},
+            )
+        try:
+            cluster.create("gem.dev/v1alpha1", "GEMTraining", {"metadata": {"name": "denied"}, "spec": {}})
+
+            def warnings() -> list[dict]:
+                return [
+                    e for e in cluster.list("v1", "Event")
+                    if e["involvedObject"]["name"] == "denied" and e["reason"] == "ReconcileError"
+                ]
+
+            events = wait_for(warnings, timeout=30, what="a ReconcileError event")
+            assert events[0]["type"] == "Warning" and "403" in events[0]["message"], events
+            # The handler and the resync timer both hit it, every second here: still one Event.
+            wait_for(lambda: (tmp_path / "op.log").read_text().count("Timer 'resync' failed") >= 1, timeout=30,
+                     what="the timer failing too")
+            assert len(warnings()) == 1
+        finally:
+            op.kill()
+            op.wait(10)

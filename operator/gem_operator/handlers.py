@@ -69,6 +69,7 @@ def _reconcile(kind: str, body: kopf.Body, logger: kopf.Logger, retry: int) -> d
     except Exception as e:
         if not kube.is_transient(e):
             result = "error"
+            _report_error(body, e, logger)
             raise
         result = "retry"
         delay = retry_delay(retry)
@@ -76,6 +77,24 @@ def _reconcile(kind: str, body: kopf.Body, logger: kopf.Logger, retry: int) -> d
         raise kopf.TemporaryError(f"API trouble: {_short(e)}", delay=delay) from None
     finally:
         metrics.observe_reconcile(kind, result, time.monotonic() - start)
+
+
+def _report_error(body: kopf.Body, e: BaseException, logger: kopf.Logger) -> None:
+    """Tell the resource's owner why it is stuck: a Warning Event on the resource.
+
+    An error that is not an API hiccup (a 403 where RBAC lacks a rule, a bug) is retried by kopf
+    every minute, but left nothing on the resource: no phase, no condition, no Event; only the
+    operator's log said why. One Event per generation and error (a derived name), however
+    often the handler and the timer hit it.
+    """
+    meta = body["metadata"]
+    try:
+        kube.post_event(
+            dict(body), "Warning", "ReconcileError", f"reconcile failed, retried every minute: {_short(e)}",
+            key=f"{meta.get('generation')}/{_short(e)}",
+        )
+    except Exception as post_error:  # best effort: the log line below still says it
+        logger.warning("could not post the ReconcileError event: %s", _short(post_error))
 
 
 def _short(e: BaseException) -> str:
