@@ -14,8 +14,10 @@ import pytest
 
 
 def _start(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    kubeconfig = tmp_path / "kubeconfig"  # never read: every case stops before connecting
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
     return subprocess.run(
-        [sys.executable, "-m", "gem_operator", "--kubeconfig", str(tmp_path / "no-kubeconfig"), *args],
+        [sys.executable, "-m", "gem_operator", "--kubeconfig", str(kubeconfig), *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -69,6 +71,16 @@ def test_a_bad_probe_url_stops_the_operator_naming_the_flag(tmp_path, flag, url)
     assert run.returncode != 0
     assert "Traceback" not in run.stderr, run.stderr
     assert f"{flag}" in run.stderr and f"={url!r}: must be http://HOST:PORT/PATH" in run.stderr, run.stderr
+
+
+def test_a_missing_kubeconfig_stops_the_operator_naming_it(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "gem_operator", "--kubeconfig", str(tmp_path / "nope.yaml"), "-n", "default"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"--kubeconfig {tmp_path / 'nope.yaml'}: no such file" in run.stderr, run.stderr
 
 
 # --------------------------------------------------------------------------- handler errors

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.log_format not in LOG_FORMATS:  # argparse checks choices on the command line, not on a default
         p.error(f"GEM_LOG_FORMAT={args.log_format!r}: must be one of {', '.join(LOG_FORMATS)}")
+    if args.kubeconfig and not os.path.isfile(args.kubeconfig):  # else kopf's 'Ran out of valid credentials' traceback
+        p.error(f"--kubeconfig {args.kubeconfig}: no such file (leave it out to use the in-cluster service account)")
     return args
 
 
