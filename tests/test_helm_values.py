@@ -59,6 +59,10 @@ BAD_VALUES = [
     ({"operator": {"image": {"tag": "has space"}}}, "/operator/image/tag"),
     ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
     ({"operator": {"resyncSeconds": 0}}, "/operator/resyncSeconds"),
+    # the operator refuses these at start (gem_operator.settings: GEM_RESYNC_SECONDS >= 1,
+    # GEM_TEACHER_POLL_SECONDS >= 0.1): the chart must not accept what leaves its pod crash-looping
+    ({"operator": {"resyncSeconds": 0.5}}, "/operator/resyncSeconds"),
+    ({"operator": {"teacherPollSeconds": 0.05}}, "/operator/teacherPollSeconds"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "/operator/resources/requests/cpu"),
     ({"operator": {"health": {"port": 70000}}}, "/operator/health/port"),
     ({"operator": {"health": {"path": "healthz"}}}, "/operator/health/path"),
