@@ -376,6 +376,10 @@ def test_deployment_runs_one_operator_safely() -> None:
     (vol,) = [v for v in pod["volumes"] if v["name"] == tmp["name"]]
     assert "emptyDir" in vol
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    # SIGTERM during a hung API request waits out the operator's request timeout (GEM_API_TIMEOUT_SECONDS)
+    from gem_operator.settings import OperatorConfig
+
+    assert pod["terminationGracePeriodSeconds"] > OperatorConfig().api_timeout_seconds
 
 
 def test_probes_hit_liveness_and_readiness_endpoints() -> None:
