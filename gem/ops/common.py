@@ -179,13 +179,17 @@ class BucketPlan:
     q_lengths: np.ndarray | None = None  # the segment lengths it was planned for (check_plan)
     k_lengths: np.ndarray | None = None
 
-    def check(self, q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> None:
+    def check(self, q_offsets: torch.Tensor | None, k_offsets: torch.Tensor, *, broadcast_rows: int = 0) -> None:
         """Refuse a plan made for other segment lengths (CPU offsets only: no device sync). Such a
-        plan once ran silently, reading rows of the wrong segments."""
-        if self.q_lengths is None or q_offsets.device.type != "cpu" or k_offsets.device.type != "cpu":
+        plan once ran silently, reading rows of the wrong segments. `q_offsets` None: broadcast
+        queries, nominal segments of `broadcast_rows` rows each (tiled_gdpa._broadcast_q)."""
+        if self.q_lengths is None or k_offsets.device.type != "cpu" or (
+                q_offsets is not None and q_offsets.device.type != "cpu"):
             return
-        for side, planned, offsets in (("query", self.q_lengths, q_offsets), ("key", self.k_lengths, k_offsets)):
-            if not np.array_equal(planned, offsets.diff().numpy()):
+        q_lengths = np.full(k_offsets.numel() - 1, broadcast_rows) if q_offsets is None else q_offsets.diff().numpy()
+        for side, planned, lengths in (("query", self.q_lengths, q_lengths), ("key", self.k_lengths,
+                                                                             k_offsets.diff().numpy())):
+            if not np.array_equal(planned, lengths):
                 raise ValueError(f"buckets were planned for other {side} segment lengths than this call's "
                                  f"offsets: pass plan_buckets(...) of these offsets, or no buckets")
 

@@ -61,10 +61,8 @@ def gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: torch.
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     names = check_activations(activation, q.shape[1])
-    if buckets is not None:  # broadcast: nominal query segments of Nq rows (tiled_gdpa._broadcast_q)
-        B = k_offsets.numel() - 1
-        buckets.check(offsets_of(torch.full((B,), q.shape[0], dtype=torch.int64, device=k_offsets.device))
-                      if broadcast_q else q_offsets, k_offsets)
+    if buckets is not None:
+        buckets.check(None if broadcast_q else q_offsets, k_offsets, broadcast_rows=q.shape[0])
     if kernel == Kernel.PYTORCH:
         return pytorch_gdpa(q, k, v, q_offsets=q_offsets, k_offsets=k_offsets, activations=names,
                             qk_scale=qk_scale, window=window, broadcast_q=broadcast_q)
