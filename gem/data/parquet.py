@@ -358,12 +358,13 @@ class ParquetSource:
         rows: list[int] = []
         for i, f in enumerate(files):
             pf = pq.ParquetFile(f)
-            md = pf.metadata
+            md, names = pf.metadata, pf.schema_arrow.names
             for g in range(md.num_row_groups):
-                if md.row_group(g).num_rows == 0:  # other writers (and older files of ours) hold empty groups
+                rg = md.row_group(g)
+                if rg.num_rows == 0:  # other writers (and older files of ours) hold empty groups
                     continue
-                _check_seconds(f, md.row_group(g))
-                _check_labels_in_footer(f, md.row_group(g), g, pf.schema_arrow.names)
+                _check_seconds(f, rg)
+                _check_labels_in_footer(f, rg, g, names)
                 self.groups.append((i, g))
                 rows.append(md.row_group(g).num_rows)
         self.group_rows = np.asarray(rows, dtype=np.int64)
