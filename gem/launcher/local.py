@@ -77,7 +77,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .env import EnvError, SecretResolver, container_env, expand, replica_name, training_operator_env
+from .env import (EnvError, SecretResolver, _replica_specs, container_env, expand, replica_name, replicas_of,
+                  training_operator_env)
 
 BASE_ENV_KEYS = ("HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT", "USER")
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
@@ -557,11 +558,8 @@ class LocalPod:
 
 def total_gpus(job: Mapping[str, Any]) -> int:
     """The `nvidia.com/gpu` a PyTorchJob's replicas ask for together."""
-    total = 0
-    for spec in ((job.get("spec") or {}).get("pytorchReplicaSpecs") or {}).values():
-        replicas = int(spec.get("replicas") if spec.get("replicas") is not None else 1)
-        total += replicas * gpus_requested((spec.get("template") or {}).get("spec") or {})
-    return total
+    return sum(replicas_of(job, rtype) * gpus_requested((spec.get("template") or {}).get("spec") or {})
+               for rtype, spec in _replica_specs(job).items())
 
 
 def gpu_shortage(wanted: int, have: int) -> str:
@@ -664,8 +662,9 @@ class LocalPyTorchJob:
         self.backoff_limit = run_policy.get("backoffLimit")
         rdzv = f"{master_addr}:{self.master_port}"
         pool = gpu_pool() if gpus is None else list(gpus)
-        if pool and total_gpus(job) > len(pool):
-            raise ValueError(gpu_shortage(total_gpus(job), len(pool)))
+        wanted = total_gpus(job)
+        if pool and wanted > len(pool):
+            raise ValueError(gpu_shortage(wanted, len(pool)))
         for rtype in sorted(specs, key=lambda r: (r != "Master", r)):
             spec = specs[rtype]
             for i in range(int(spec.get("replicas") if spec.get("replicas") is not None else 1)):
