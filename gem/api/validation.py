@@ -176,8 +176,7 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
         if not isinstance(section, dict) or ("enabled" in section and section["enabled"] != derived_on):
             problems.append((f"spec.training.deepspeed.{key}",
                              f"{section!r} differs from the trainer's {{'enabled': {derived_on}}}, which "
-                             "spec.training.precision sets; remove it and use spec.training.precision "
-                             "(fp32, bf16 or mxfp8; fp16 is not offered)"))
+                             f"spec.training.precision sets; remove it and {_USE_PRECISION}"))
     problems.extend(_dtype_override_problems(overrides, "bf16" if _enabled(derived.get("bf16")) else "fp32"))
     return problems
 
