@@ -212,8 +212,7 @@ class PyTorchJobExecutor:
             return str(run.pod.log_path), lambda: False
         if run.last_terminated is not None:
             return f"{run.pod.log_path}.previous", lambda: False
-        raise ApiError(400, f'previous terminated container "{container or run.pod.container.get("name")}" in pod '
-                            f'"{name}" not found', "BadRequest")
+        return None  # no previous container: the app answers the kubelet's 400
 
     # ------------------------------------------------------------------ reconcile
 
