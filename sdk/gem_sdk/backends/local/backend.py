@@ -674,11 +674,10 @@ class LocalBackend(Backend):
         `<log>.previous` and writes a new file, so the inode tells one container from the next,
         exactly. pods.yaml names it too (`store.ANNOTATION_LOG_INODE`).
         """
+        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         if after is None:
-            kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
             # As logs: the replica checked, the log waited for, NotFoundError if it never comes.
             self.logs(name, kind=kind, namespace=ns, replica=replica, index=index, timeout=timeout)
-        kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         pod = pod_name(kind, name, replica, index)
         d = self._dir(kind, ns, name)
         log = d / store.LOGS_DIR / f"{pod}.log"
