@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
 from gem_sdk._exceptions import GEMError, NotFoundError, WaitTimeoutError, describe
-from gem_sdk._objects import phase_of, pod_name, resolve_ref
+from gem_sdk._objects import finalizers_left, phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
     TERMINAL_PHASES,
@@ -317,8 +317,6 @@ class GEMClient:
                 return None
             left = _time_left(deadline)
             if left == 0:
-                from gem_sdk.backends.kubernetes.utils import finalizers_left
-
                 what = describe(obj.kind, obj.metadata.namespace, obj.metadata.name)
                 raise WaitTimeoutError(f"timed out after {timeout:g}s waiting for {what} to be deleted: "
                                        f"{finalizers_left(obj)}", object=obj, kind=obj.kind,

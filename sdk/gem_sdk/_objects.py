@@ -429,3 +429,13 @@ def pod_selector(kind: str, name: str, replica: str | None, index: int | None) -
             raise ValidationError(f"index must be >= 0, got {index}")
         selector += f",{LABEL_REPLICA_INDEX}={index}"
     return selector
+
+
+def finalizers_left(obj: Any) -> str:
+    """What keeps a deleted object (deletionTimestamp set) from going, for a message: its finalizers."""
+    finalizers = list((obj.metadata.model_extra or {}).get("finalizers") or [])
+    if not finalizers:
+        return "it is still there"
+    if len(finalizers) == 1:
+        return f"its finalizer {finalizers[0]} is still there; the gem operator removes it (is it running?)"
+    return f"its finalizers {', '.join(finalizers)} are still there; the gem operator removes its own (is it running?)"

@@ -27,6 +27,7 @@ from gem_sdk._objects import (
     check_replica_exists,
     check_suspendable,
     describe_until,
+    finalizers_left,
     from_wire,
     normalize_until,
     phase_of,
@@ -52,7 +53,6 @@ from gem_sdk.backends.base import Backend
 from gem_sdk.backends.kubernetes.utils import (
     CONNECTION_ERRORS,
     api_error,
-    finalizers_left,
     iter_lines,
     make_api_client,
     status_message,

@@ -145,16 +145,6 @@ def api_error(
     return BackendError(f"failed to {verb} {what}: {e.status} {reason}: {message}".rstrip(": "), status=e.status, **ref)
 
 
-def finalizers_left(obj: Any) -> str:
-    """What keeps a deleted object (deletionTimestamp set) from going, for a message: its finalizers."""
-    finalizers = list((obj.metadata.model_extra or {}).get("finalizers") or [])
-    if not finalizers:
-        return "it is still there"
-    if len(finalizers) == 1:
-        return f"its finalizer {finalizers[0]} is still there; the gem operator removes it (is it running?)"
-    return f"its finalizers {', '.join(finalizers)} are still there; the gem operator removes its own (is it running?)"
-
-
 #: Errors of a dropped or unreachable connection (wrapped as BackendError, or retried by watches).
 CONNECTION_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
