@@ -36,12 +36,11 @@ if str(ROOT) not in sys.path:
 
 from gem.parallel.comm_model import (  # noqa: E402
     Workload,
-    busiest_rank_cross_block_bytes,
     comm_seconds,
     cross_block_bytes,
     level_totals,
     shuffled_nodes,
-    step_bytes,
+    step_counts,
 )
 from gem.parallel.plan import MESH_AXES, ModelShapeHints, ParallelPlan, auto_plan, deepspeed_auto_dims  # noqa: E402
 from gem.parallel.topology import Topology  # noqa: E402
@@ -69,11 +68,12 @@ QUICK = CLUSTERS[:1]
 COLORS = {"node": "tab:blue", "clique": "tab:cyan", "block": "tab:orange", "zone": "tab:purple", "cluster": "tab:red"}
 
 
-def _measure(plan: ParallelPlan, topo: Topology, **layout) -> dict:
-    per = step_bytes(plan, topo, WORKLOAD, **layout)  # zero_model="deepspeed" (default): what the trainer runs
+def _measure(plan: ParallelPlan, topo: Topology, zero_model: str = "deepspeed", **layout) -> dict:
+    # zero_model "deepspeed" (default): what the trainer runs; "hsdp": the ideal, for comparison
+    per, busiest = step_counts(plan, topo, WORKLOAD, zero_model=zero_model, **layout)
     return {"plan": plan.to_dict(), "bytes": per, "levelTotals": level_totals(per),
             "crossBlockBytes": cross_block_bytes(per, topo), "commSecondsEstimate": comm_seconds(per, topo),
-            "busiestRankCrossBlockBytes": busiest_rank_cross_block_bytes(plan, topo, WORKLOAD, **layout)}
+            "busiestRankCrossBlockBytes": busiest}
 
 
 def run_cluster(name: str, gpus: int, per_node: int, levels: list[tuple[str, int]]) -> dict:
@@ -96,9 +96,9 @@ def run_cluster(name: str, gpus: int, per_node: int, levels: list[tuple[str, int
         v["crossBlockBytesRatio"] = v["crossBlockBytes"] / base if base else None
     hsdp = {}
     for key, p, layout in (("chosen", plan, {}), ("unaware", unaware_plan, {"node_order": shuffled})):
-        hsdp[key + "CrossBlockBytes"] = cross_block_bytes(step_bytes(p, topo, WORKLOAD, zero_model="hsdp", **layout), topo)
-        hsdp[key + "BusiestRankCrossBlockBytes"] = busiest_rank_cross_block_bytes(p, topo, WORKLOAD, zero_model="hsdp",
-                                                                                  **layout)
+        m = _measure(p, topo, zero_model="hsdp", **layout)
+        hsdp[key + "CrossBlockBytes"] = m["crossBlockBytes"]
+        hsdp[key + "BusiestRankCrossBlockBytes"] = m["busiestRankCrossBlockBytes"]
     hsdp["crossBlockBytesRatio"] = hsdp["unawareCrossBlockBytes"] / hsdp["chosenCrossBlockBytes"]
     return {"name": name, "topology": topo.to_dict(), "chosen": chosen, "unaware": unaware, "variants": variants,
             "hsdpModel": hsdp, "cross_block_bytes_ratio": unaware["crossBlockBytesRatio"]}

@@ -174,6 +174,14 @@ def layout_groups(plan: ParallelPlan, axis_order: Sequence[str] = MESH_AXES) -> 
             "expert_data": groups_over(["dp_replicate", "dp_shard_mod_ep", "cp"]), "dp_shard_cp": zero}
 
 
+def step_counts(plan: ParallelPlan, topology: Topology, work: Workload, *,
+                axis_order: Sequence[str] = MESH_AXES, node_order: Sequence[int] | None = None,
+                zero_model: str = "deepspeed") -> tuple[dict[str, dict[str, float]], float]:
+    """(step_bytes, busiest_rank_cross_block_bytes) of one count, for callers that want both."""
+    c = _count(plan, topology, work, axis_order, node_order, zero_model)
+    return {k: dict(v) for k, v in sorted(c.bytes.items())}, max(c.sent_outside.values(), default=0.0)
+
+
 def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
                axis_order: Sequence[str] = MESH_AXES, node_order: Sequence[int] | None = None,
                zero_model: str = "deepspeed") -> dict[str, dict[str, float]]:
@@ -182,8 +190,7 @@ def step_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
     `zero_model`: "deepspeed" (what the trainer runs; PlanError for a plan DeepSpeed cannot run) or
     "hsdp" (the ideal HSDP, for comparison). See the module docstring.
     """
-    c = _count(plan, topology, work, axis_order, node_order, zero_model)
-    return {k: dict(v) for k, v in sorted(c.bytes.items())}
+    return step_counts(plan, topology, work, axis_order=axis_order, node_order=node_order, zero_model=zero_model)[0]
 
 
 def busiest_rank_cross_block_bytes(plan: ParallelPlan, topology: Topology, work: Workload, *,
@@ -194,8 +201,7 @@ def busiest_rank_cross_block_bytes(plan: ParallelPlan, topology: Topology, work:
     A ring runs at the pace of its slowest link: one big ring crossing a few block boundaries moves
     few cross-block bytes in total, but each crossing carries the whole tensor at block-link speed.
     """
-    c = _count(plan, topology, work, axis_order, node_order, zero_model)
-    return max(c.sent_outside.values(), default=0.0)
+    return step_counts(plan, topology, work, axis_order=axis_order, node_order=node_order, zero_model=zero_model)[1]
 
 
 def _count(plan: ParallelPlan, topology: Topology, work: Workload, axis_order: Sequence[str],
