@@ -43,14 +43,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
     if kernel == Kernel.PYTORCH:
         return pytorch_block_attention(q, k, v, offsets, block_size=block_size, shift=shift, scale=scale,
                                        align=align)
-    if plan is not None and ((plan.block, plan.shift, plan.align) != (block_size, shift, align)
-                             or plan.dst.numel() != q.shape[0]
-                             or (offsets.device.type == "cpu" and plan.lengths is not None
-                                 and not torch.equal(plan.lengths.cpu().long(), offsets.diff().long()))):
-        # A plan of other blocks (or another batch) once ran silently with its own blocks.
-        raise ValueError(f"plan was made for block_size={plan.block}, shift={plan.shift}, align={plan.align!r} "
-                         f"and other segments ({plan.dst.numel()} rows); this call has block_size={block_size}, "
-                         f"shift={shift}, align={align!r} and {q.shape[0]} rows: pass plan_blocks(offsets, "
-                         f"block_size, shift=shift, align=align) or no plan")
+    if plan is not None:
+        plan.check(offsets, q.shape[0], block_size, shift, align)
     return tiled_block_attention(q, k, v, offsets, block_size=block_size, shift=shift, scale=scale, plan=plan,
                                  align=align)

@@ -334,6 +334,17 @@ class BlockPlan:
     def layout(self) -> SlotLayout:
         return SlotLayout(self.dst, self.num_blocks * self.block, self.src)
 
+    def check(self, offsets: torch.Tensor, rows: int, block_size: int, shift: int, align: str) -> None:
+        """Refuse a plan of other blocks or another batch (segment lengths compared for CPU offsets
+        only: no device sync). Such a plan once ran silently with its own blocks."""
+        if ((self.block, self.shift, self.align) != (block_size, shift, align) or self.dst.numel() != rows
+                or (offsets.device.type == "cpu" and self.lengths is not None
+                    and not torch.equal(self.lengths.cpu().long(), offsets.diff().long()))):
+            raise ValueError(f"plan was made for block_size={self.block}, shift={self.shift}, align={self.align!r} "
+                             f"and other segments ({self.dst.numel()} rows); this call has block_size={block_size}, "
+                             f"shift={shift}, align={align!r} and {rows} rows: pass plan_blocks(offsets, "
+                             f"block_size, shift=shift, align=align) or no plan")
+
 
 BLOCK_ALIGNS = ("start", "end")
 
