@@ -496,15 +496,19 @@ class KubernetesBackend(Backend):
             resp.close()
             resp.release_conn()
 
+    def _get_riding_out(self, kind: str, ns: str, name: str, deadline: float | None,
+                        timed_out: Callable[[], NoReturn], retry: bool = True) -> Resource:
+        """The job, read through _ride_out (API outages ridden out until `deadline`)."""
+        return from_wire(self._ride_out(
+            lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
+                                                               _request_timeout=t),
+            "get", kind, ns, name, deadline=deadline, timed_out=timed_out, retry=retry,
+        ))
+
     def _check_replica(self, kind: str, ns: str, name: str, pod: str, replica: str, index: int,
                        deadline: float | None) -> None:
         # NotFoundError now, not at the first next(); within the timeout even if the API never answers.
-        job = from_wire(self._ride_out(
-            lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
-                                                               _request_timeout=t),
-            "get", kind, ns, name, deadline=deadline, timed_out=self._pod_timed_out(ns, pod, kind, name),
-            retry=False,
-        ))
+        job = self._get_riding_out(kind, ns, name, deadline, self._pod_timed_out(ns, pod, kind, name), retry=False)
         check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
 
     def _read_log(self, kind: str, ns: str, name: str, pod: str, follow: bool) -> Any:
@@ -585,11 +589,7 @@ class KubernetesBackend(Backend):
             done, found = verdict(items[0] if items else None)
             if done:
                 return found
-            job = from_wire(self._ride_out(
-                lambda t: self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, _plural(kind), name,
-                                                                   _request_timeout=t),
-                "get", kind, ns, name, deadline=deadline, timed_out=timed_out,
-            ))
+            job = self._get_riding_out(kind, ns, name, deadline, timed_out)
             if phase_of(job) in TERMINAL_PHASES:
                 if after is not None:
                     return None
