@@ -77,15 +77,20 @@ The solaris values, or an empty dict: values of a release made with a chart with
 {{- default .Release.Namespace .Values.solaris.namespace -}}
 {{- end -}}
 
+{{/* An image reference from (dict "repository" R "tag" T "digest" D): R@D, else R:T. */}}
+{{- define "gem-platform.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The Solaris image: the trainer image unless solaris.image says otherwise; a digest wins over the tag. */}}
 {{- define "gem-platform.solarisImage" -}}
 {{- $img := .Values.solaris.image -}}
-{{- $repository := default .Values.trainer.image.repository $img.repository -}}
-{{- if $img.digest -}}
-{{- printf "%s@%s" $repository $img.digest -}}
-{{- else -}}
-{{- printf "%s:%s" $repository (default (default .Chart.AppVersion .Values.trainer.image.tag) $img.tag) -}}
-{{- end -}}
+{{- include "gem-platform.image" (dict "repository" (default .Values.trainer.image.repository $img.repository)
+    "tag" (default (default .Chart.AppVersion .Values.trainer.image.tag) $img.tag) "digest" $img.digest) -}}
 {{- end -}}
 
 {{- define "gem-platform.serviceAccountName" -}}
@@ -99,11 +104,8 @@ The solaris values, or an empty dict: values of a release made with a chart with
 {{/* The operator image: repository@digest, else repository:tag (tag defaults to appVersion). */}}
 {{- define "gem-platform.operatorImage" -}}
 {{- $img := .Values.operator.image -}}
-{{- if $img.digest -}}
-{{- printf "%s@%s" $img.repository $img.digest -}}
-{{- else -}}
-{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) -}}
-{{- end -}}
+{{- include "gem-platform.image" (dict "repository" $img.repository "tag" (default .Chart.AppVersion $img.tag)
+    "digest" $img.digest) -}}
 {{- end -}}
 
 {{- define "gem-platform.trainerImage" -}}
