@@ -235,6 +235,14 @@ def test_build_context_has_what_pip_install_needs() -> None:
             assert in_context(f"{where}/x.py"), where
 
 
+def test_license_file_matches_the_declared_license() -> None:
+    """pyproject declares Apache-2.0: the text ships beside it (setuptools puts LICENSE* in the wheel)."""
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert in_context("LICENSE"), ".dockerignore keeps LICENSE out of the image build"
+
+
 def test_build_context_leaves_out_the_rest() -> None:
     for path in [".venv/bin/python", ".git/HEAD", "tests/test_api.py", "mlruns/0/meta.yaml", ".gem/x", "gem/__pycache__/x.pyc",
                  "gem_platform.egg-info/PKG-INFO", "helm/gem-platform/Chart.yaml", "docs/operations.md"]:
