@@ -34,7 +34,8 @@ ENV PATH=/opt/gem/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
-# 8080: kopf liveness (/healthz); 9090: Prometheus metrics (/metrics).
-EXPOSE 8080 9090
+# 8080: kopf liveness (/healthz); 8081: readiness (/readyz); 9090: Prometheus metrics (/metrics).
+# The same ports and paths as the chart's defaults, so `docker run` serves what the chart probes.
+EXPOSE 8080 8081 9090
 ENTRYPOINT ["gem-operator"]
-CMD ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+CMD ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz", "--readiness=http://0.0.0.0:8081/readyz"]

@@ -152,9 +152,13 @@ def test_operator_default_command_is_what_the_operator_accepts() -> None:
 
     _, stages = parse_dockerfile(DOCKERFILES["operator"])
     args = parse_args(exec_form(stages[-1].last("CMD")))
-    assert args.all_namespaces and args.liveness == "http://0.0.0.0:8080/healthz"
+    # The image's defaults are the chart's: the same probe URLs, and every port it serves exposed.
+    values = yaml.safe_load((ROOT / "helm" / "gem-platform" / "values.yaml").read_text())
+    health, ready = values["operator"]["health"], values["operator"]["readiness"]
+    assert args.all_namespaces and args.liveness == f"http://0.0.0.0:{health['port']}{health['path']}"
+    assert args.readiness == f"http://0.0.0.0:{ready['port']}{ready['path']}"
     exposed = {int(p) for e in stages[-1].all("EXPOSE") for p in e.split()}
-    assert exposed == {8080, 9090}
+    assert exposed == {health["port"], ready["port"], values["metrics"]["port"]}
     env = " ".join(stages[-1].all("ENV"))
     assert "HOME=/tmp" in env, "the chart mounts the only writable directory at /tmp"
 
