@@ -1,8 +1,11 @@
 """Computing foundation-model values for (user, ad) pairs, and user segments.
 
 A pair is scored with the user's latest known state (the last impression we saw for them: its
-event history, surface and dense features) and the candidate ad swapped in, which is what a
-speculative precompute can know before the request arrives. The value is the FM's logits
+event history, surface and history-length feature) and the candidate ad swapped in, which is what
+a speculative precompute can know before the request arrives. The ad's side of the dense features
+(the synthetic world's noisy quality score of the shown ad) is swapped too: a candidate other
+than the impression's own ad gets its mean score over the context's impressions of it (an ad the
+context never showed: the mean over all impressions), not the shown ad's. The value is the FM's logits
 (click, conversion); the FM's user representation (gem.loopfm.logging.UserRepresentation) comes
 along and feeds the nearest-neighbour tier.
 """
@@ -16,6 +19,16 @@ from torch import nn
 from gem.data.batch import make_batch
 from gem.data.synthetic import Examples
 from gem.loopfm.logging import UserRepresentation
+
+AD_QUALITY = 1  # gem.data.synthetic's dense columns: [log1p(history length), the shown ad's noisy quality score]
+
+
+def mean_ad_quality(context: Examples, num_ads: int) -> np.ndarray:
+    """[num_ads] each ad's mean quality score over the context's impressions of it (none: over all)."""
+    q = context.dense[:, AD_QUALITY].astype(np.float64)
+    total = np.bincount(context.ad_id, weights=q, minlength=num_ads)
+    count = np.bincount(context.ad_id, minlength=num_ads)
+    return np.where(count > 0, total / np.maximum(count, 1), q.mean() if len(q) else 0.0).astype(np.float32)
 
 
 class FMScorer:
@@ -31,9 +44,15 @@ class FMScorer:
         """(values [N, 2] = FM logits (click, conversion), user embeddings [N, D]) for context rows x ads."""
         rows, ads = np.asarray(rows, np.int64), np.asarray(ads, np.int64)
         values, embs = [], []
+        quality = mean_ad_quality(context, len(self.ad_campaign)) if len(rows) else None
         for lo in range(0, len(rows), self.batch_size):
             r, a = rows[lo : lo + self.batch_size], ads[lo : lo + self.batch_size]
             batch = make_batch(context, r, max_seq_len=self.model.max_seq_len)
+            # the candidate's quality score, not the shown ad's (a row scored with its own ad keeps its own)
+            dense = context.dense[r].copy()
+            swapped = context.ad_id[r] != a
+            dense[swapped, AD_QUALITY] = quality[a[swapped]]
+            batch.dense = torch.from_numpy(dense)
             campaign = self.ad_campaign[a]
             batch.ad_id = torch.from_numpy(a)
             batch.campaign_id = torch.from_numpy(campaign)
