@@ -272,3 +272,25 @@ def test_forgetting_old_users_leaves_predictions_within_the_horizon_unchanged():
             assert len(bounded.last_seen) < len(unbounded.last_seen)  # the rest were forgotten
     with pytest.raises(ValueError, match="forget_after_s"):
         RequestPredictor(forget_after_s=0.0, **kw)
+
+
+def test_the_store_holds_its_own_copy_of_every_value():
+    """put kept the caller's array: a caller reusing one buffer changed every pair it had put, and a
+    recomputed pair took the buffer's current value out of the means instead of the one it added. A
+    value read back is read-only, so a reader cannot edit the held one either."""
+    s = PrecomputeStore(ttl_s=100, version="v")
+    buf = np.zeros(2, np.float32)
+    emb = np.ones(3, np.float32)
+    for user, v in ((1, 1.0), (2, 3.0)):
+        buf[:] = v
+        s.put(user, 7, 0, 0, buf, now=0, user_embedding=emb)
+    buf[:] = 9.0
+    emb[:] = -1.0
+    assert s.get(1, 7, now=1).value.tolist() == [1.0, 1.0] and s.get(2, 7, now=1).value.tolist() == [3.0, 3.0]
+    assert s.user_embedding(1).tolist() == [1.0, 1.0, 1.0]
+    s.put(1, 7, 0, 0, [5.0, 5.0], now=2)  # recomputed: its 1.0 leaves the means, 5.0 comes in
+    assert s.ad_default(7, now=2).tolist() == [4.0, 4.0] and s.global_default(now=2).tolist() == [4.0, 4.0]
+    held = s.get(2, 7, now=3).value
+    with pytest.raises(ValueError, match="read-only"):
+        held += 100.0
+    assert s.get(2, 7, now=3).value.tolist() == [3.0, 3.0]

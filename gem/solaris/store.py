@@ -10,6 +10,9 @@ Expired entries are swept (in expiry order, from a heap) by every read and write
 removed once and a lookup stays O(1) amortised. At `max_entries`, a put evicts the entry that
 expires first (TTLs are equal, so the oldest computed) before inserting a new pair.
 
+`put` keeps its own read-only copy of a value and embedding: the caller may reuse its buffer, and
+what a read returns cannot be edited in place (either would change a held value behind the means).
+
 A value or embedding that is not finite (a diverged model's NaN/inf) is refused and counted in
 `nonfinite`: lookups fall through to the next tier instead of serving it.
 
@@ -65,6 +68,12 @@ class _Sum:
     @property
     def mean(self) -> np.ndarray:
         return (self.total / max(self.count, 1)).astype(np.float32)
+
+
+def _frozen(a) -> np.ndarray:
+    a = np.array(a, np.float32)  # always a copy
+    a.flags.writeable = False
+    return a
 
 
 def _add_to(table: dict, key, value: np.ndarray, dim: int) -> None:
@@ -182,8 +191,10 @@ class PrecomputeStore:
         """
         version = version or self._version
         with np.errstate(over="ignore"):  # an overflow to inf is refused below, not warned about
-            value = np.asarray(value, np.float32)
-            emb = None if user_embedding is None else np.asarray(user_embedding, np.float32)
+            # own read-only copies: a caller reusing its buffer, or a reader editing what get returned,
+            # would change a held value behind the means it was folded into
+            value = _frozen(value)
+            emb = None if user_embedding is None else _frozen(user_embedding)
         if value.shape != (self.value_dim,):  # checked before any table changes: a bad put must not half-land
             raise ValueError(f"value must have shape ({self.value_dim},), got {value.shape}")
         key = (user, ad)
