@@ -398,3 +398,42 @@ def test_the_teachers_weights_are_hashed_once_per_process(tmp_path, teacher_dir,
     torch.save({"other": torch.zeros(3)}, teacher_dir / "model.pt")  # another file at the same path
     second = loopfm_logging.model_version_of(teacher_dir)
     assert len(reads) == 2 and second != first and second.startswith("step-00000001-")
+
+
+def test_a_registered_model_teacher_has_the_same_version_in_every_process(tmp_path, teacher_dir, monkeypatch):
+    """spec.teacher.mlflowModelUri models:/<name>/<version>: MLflow downloads a registered model's files into
+    the download directory itself, a fresh random temp dir per process, and the teacher's version is its
+    directory name + weights hash. So every rank saw another teacher ('the ranks resolved different
+    teachers'), and a restarted pod found its checkpoints' teacher 'gone' (and logged a new memory)."""
+    import shutil
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from gem.distill.teacher import resolve_teacher, with_teacher
+    from gem.loopfm.logging import model_version_of
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(teacher_dir), artifact_path="checkpoint")
+    client = MlflowClient(uri)
+    client.create_registered_model("fm")
+    client.create_model_version("fm", source=f"{run.info.artifact_uri.rstrip('/')}/checkpoint", run_id=run.info.run_id)
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"mlflowModelUri": "models:/fm/1"}
+    wire["spec"]["distillation"]["method"] = "kd"
+    manifest = parse_object(wire)
+
+    first, second = resolve_teacher(manifest.spec, "local"), resolve_teacher(manifest.spec, "local")  # two ranks
+    assert first != second and model_version_of(first) == model_version_of(second)
+
+    # a restarted pod: its checkpoints record the first download, which lived on the old pod only
+    ckpt = tmp_path / "ckpt" / "local" / "lf" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "gem.yaml").write_text(yaml.safe_dump(with_teacher(manifest, first).to_wire()))
+    (ckpt / "COMPLETE").write_text("{}")
+    shutil.rmtree(first)
+    _, _, path = load_teacher(manifest.spec, "local", job_manifest=manifest)
+    assert model_version_of(path) == model_version_of(second)

@@ -56,8 +56,10 @@ def _download(uri: str, tracking_uri: str | None) -> Path:
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    dst = tempfile.mkdtemp(prefix="gem-teacher-")
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst))
+    # A registered model's (models:/...) files land in dst itself: a fixed last component keeps the
+    # teacher's version (directory name + weights hash) the same on every rank and after a restart.
+    dst = Path(tempfile.mkdtemp(prefix="gem-teacher-")) / "checkpoint"
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
 
 
 def teacher_field(spec: LoopFMDistillSpec) -> str:
