@@ -203,3 +203,27 @@ GOOD_VALUES = [
 @pytest.mark.parametrize("values", GOOD_VALUES)
 def test_good_values_render(values: dict[str, Any]) -> None:
     assert render(values)
+
+
+def test_names_yaml_would_read_as_numbers_or_booleans_render_as_strings() -> None:
+    """`123`, `true` and `007` are valid Kubernetes names; unquoted in a template, YAML reads them as
+    an int, a bool and 7, and the API server refuses the object (or, for 007, names another one)."""
+    docs = [d for name, text in render({
+        "operator": {"priorityClassName": "123"},
+        "watchNamespaces": ["007"], "rbac": {"scope": "namespaced"},
+        "kueue": {"enabled": True, "clusterQueue": "true", "queueName": "1e3"},
+        "solaris": {**SOLARIS_ON["solaris"], "priorityClassName": "456", "namespace": "008"},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    }).items() if not name.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    specs = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in by_kind["Deployment"]}
+    assert sorted(s.get("priorityClassName") for s in specs.values()) == ["123", "456"]
+    (queue,) = by_kind["LocalQueue"]
+    assert queue["metadata"] == {**queue["metadata"], "name": "1e3", "namespace": "007"}
+    assert queue["spec"]["clusterQueue"] == "true"
+    assert {d["metadata"]["namespace"] for d in by_kind["Role"] + by_kind["RoleBinding"]} >= {"007"}
+    assert {d["metadata"]["namespace"] for d in by_kind["Deployment"] + by_kind["Service"]} == {"gem-system", "008"}
+    solaris_monitor = [m for m in by_kind["ServiceMonitor"] if m["metadata"]["namespace"] == "008"]
+    assert solaris_monitor and solaris_monitor[0]["spec"]["namespaceSelector"]["matchNames"] == ["008"]
