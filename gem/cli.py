@@ -233,8 +233,11 @@ def _eval(manifest: Any, checkpoint_dir: str | None) -> int:
             shutdown()
 
 
-def _foundation_model(checkpoint_dir: str) -> Any:
-    """The GEM model of a GEMTraining checkpoint; a student's checkpoint is a config error naming --checkpoint."""
+def _foundation_model(checkpoint_dir: str, data: Any) -> Any:
+    """The GEM model of a GEMTraining checkpoint trained on data's synthetic world; a student's checkpoint,
+    or one trained on another world, is a config error (checked before the model loads)."""
+    from gem.api import parse_object
+    from gem.solaris.service import require_trained_world
     from gem.train import checkpoint
 
     # None: not a checkpoint at all, which _load_checkpoint_model says
@@ -246,6 +249,11 @@ def _foundation_model(checkpoint_dir: str) -> Any:
         raise ConfigError(f"--checkpoint {checkpoint_dir} holds a LoopFMDistill student (distillation.method {method}), "
                           "not a foundation model: Solaris precomputes GEM values; pass a GEMTraining's "
                           "checkpoint (<checkpoint.path>/<namespace>/<name>/step-NNNNNNNN), e.g. the teacher's")
+    if kind == "GEMTraining":
+        with _checkpoint_errors(checkpoint_dir):  # a gem.yaml that is not a manifest
+            trained = parse_object(checkpoint.read_manifest(checkpoint_dir)).spec.data
+        with _spec_errors_as_config_errors():
+            require_trained_world(data, trained)
     return _load_checkpoint_model(checkpoint_dir)
 
 
@@ -279,7 +287,7 @@ def _serve_precompute(manifest: Any, args: argparse.Namespace) -> int:
 
     with _spec_errors_as_config_errors():  # spec.data not one synthetic world: exit 2 before loading a model
         require_synthetic_world(manifest.spec.data)
-    model = _foundation_model(args.checkpoint)
+    model = _foundation_model(args.checkpoint, manifest.spec.data)
     service = build_service(model, manifest, ttl_s=args.ttl, version=model_version_of(args.checkpoint))
 
     async def serve() -> None:

@@ -121,6 +121,33 @@ def test_serve_precompute_refuses_a_student_checkpoint(tmp_path, capsys):
     assert "--checkpoint" in capsys.readouterr().err
 
 
+def test_serve_precompute_refuses_a_world_the_checkpoint_was_not_trained_on(tmp_path, capsys):
+    """A --config whose synthetic world (seed, sizes) is not the checkpoint's was served: the FM scored ids
+    of users and ads it never learnt, silently. It is a config error naming the fields, before the model
+    loads (the port is taken, so a server that starts anyway exits 2 on the port instead)."""
+    import socket
+
+    ckpt = _tiny_checkpoint(tmp_path)
+    synthetic = MANIFEST["spec"]["data"]["synthetic"]
+    other = {**MANIFEST, "spec": {**MANIFEST["spec"], "data": {"synthetic": {**synthetic, "seed": 7, "numAds": 80}}}}
+    # the same world with more history sampled and longer histories: the same users and ads, served
+    more = {**MANIFEST, "spec": {**MANIFEST["spec"], "data": {"synthetic": {
+        **synthetic, "numTrainExamples": 900, "meanHistoryLen": 12}}}}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert cli.main(["serve-precompute", "--config", _write(tmp_path / "other.yaml", other),
+                         "--checkpoint", str(ckpt), "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert "spec.data.synthetic.seed is 7, the checkpoint's 0" in err
+        assert "spec.data.synthetic.numAds is 80, the checkpoint's 40" in err
+        assert "pass the checkpoint's own gem.yaml as --config" in err and "cannot listen" not in err
+        assert cli.main(["serve-precompute", "--config", _write(tmp_path / "more.yaml", more),
+                         "--checkpoint", str(ckpt), "--port", port]) == 2
+        assert "cannot listen there" in capsys.readouterr().err  # got as far as serving
+
+
 def test_a_failed_start_stops_the_background_precompute():
     """A taken port used to leave the runner set up and its precompute task running for good."""
     import socket

@@ -267,6 +267,31 @@ def require_synthetic_world(data) -> None:
                         f"{data.source} data is not supported yet")
 
 
+# The SyntheticWorld fields its constructor draws the users and ads from: another value is another world,
+# whose ids the FM never learnt. The rest (sizes of the splits, history length, noise) shape the traffic only.
+WORLD_FIELDS = ("seed", "num_users", "num_ads", "ads_per_campaign", "campaigns_per_advertiser", "num_organic_posts",
+                "install_share", "interest_drift", "surface_mix")
+
+
+def require_trained_world(data, trained) -> None:
+    """spec.data's world must be the one the model was trained on (`trained`: the checkpoint's spec.data),
+    when that was one synthetic world; else a SpecError naming the fields that differ."""
+    from gem.api.types import DataSourceKind
+    from gem.data.errors import SpecError
+
+    if trained.sources or trained.source != DataSourceKind.synthetic.value:
+        return  # trained on other data: nothing to compare the world with
+    served, seen = data.synthetic, trained.synthetic
+    fields = type(served).model_fields
+    differ = [f"spec.data.synthetic.{fields[f].alias or f} is {getattr(served, f)!r}, the checkpoint's "
+              f"{getattr(seen, f)!r}" for f in WORLD_FIELDS if getattr(served, f) != getattr(seen, f)]
+    if differ:
+        raise SpecError("; ".join(differ) + ": --config describes another synthetic world than the one the "
+                        "--checkpoint's model was trained on (its users and ads are other ids), so every value "
+                        "would be scored for ids the model never learnt; pass the checkpoint's own gem.yaml as "
+                        "--config, or set these fields to the checkpoint's values")
+
+
 def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: int = 16, version: str = "v0",
                   clock: Callable[[], float] | None = None, warmup: bool = True, **kw) -> SolarisService:
     """A service over the synthetic world of `manifest.spec.data`: the train split is the history
