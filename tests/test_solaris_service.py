@@ -61,6 +61,36 @@ def test_service_precomputes_and_answers_over_http():
     assert service.rounds >= 1 and service.precomputed > 0
 
 
+def test_bad_lookups_name_the_parameter_and_a_head_is_not_a_lookup():
+    """400/404 said "need integer query parameters user and ad" / "unknown user U or ad A" whichever was wrong,
+    and a HEAD /lookup (aiohttp's default for a GET route) was counted as a lookup and fed the predictor."""
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    user = int(service.context.user_id[0])
+
+    async def scenario():
+        runner, port = await service.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}/lookup"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for params, status, error in (
+                        ({"user": user}, 400, "query parameter ad is missing: pass integer ids"),
+                        ({"user": "x", "ad": 1}, 400, "query parameter user is 'x', not an integer"),
+                        ({"user": user, "ad": "1.5"}, 400, "query parameter ad is '1.5', not an integer"),
+                        ({"user": -1, "ad": 3}, 404, "user -1 is not a user id: user ids are >= 0"),
+                        ({"user": user, "ad": 40}, 404, "ad 40 is not an ad of this world: ad ids are 0-39")):
+                    async with http.get(base, params=params) as r:
+                        assert (r.status, (await r.json())["error"].startswith(error)) == (status, True), params
+                async with http.head(base, params={"user": user, "ad": 39}) as r:
+                    assert r.status == 405
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    assert sum(service.tier_counts.values()) == 0 and 39 not in service.predictor._recent.get(user, {})
+
+
 def test_building_a_service_leaves_autograd_alone():
     """A library object must not switch gradients off for the whole process (it broke later training)."""
     import torch

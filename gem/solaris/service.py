@@ -192,13 +192,24 @@ class SolarisService:
     def app(self):
         from aiohttp import web
 
+        num_ads = len(self.scorer.ad_campaign)
+
         async def lookup(request: web.Request) -> web.Response:
-            try:
-                user, ad = int(request.query["user"]), int(request.query["ad"])
-            except (KeyError, ValueError):
-                return web.json_response({"error": "need integer query parameters user and ad"}, status=400)
-            if user < 0 or ad < 0 or ad >= len(self.scorer.ad_campaign):
-                return web.json_response({"error": f"unknown user {user} or ad {ad}"}, status=404)
+            ids = {}
+            for name in ("user", "ad"):
+                text = request.query.get(name)
+                try:
+                    ids[name] = int(text)
+                except (TypeError, ValueError):
+                    got = "missing" if text is None else f"{text!r}, not an integer"
+                    return web.json_response({"error": f"query parameter {name} is {got}: pass integer ids, "
+                                                       "/lookup?user=U&ad=A"}, status=400)
+            user, ad = ids["user"], ids["ad"]
+            if user < 0:
+                return web.json_response({"error": f"user {user} is not a user id: user ids are >= 0"}, status=404)
+            if not 0 <= ad < num_ads:
+                return web.json_response({"error": f"ad {ad} is not an ad of this world: ad ids are 0-{num_ads - 1}"},
+                                         status=404)
             result = self.lookup(user, ad)
             if not np.isfinite(result.value).all():  # the store refuses NaN/inf; never write them as `NaN` (not JSON)
                 log.error("lookup user %d ad %d: the %s tier's value is not finite", user, ad, result.tier)
@@ -221,7 +232,7 @@ class SolarisService:
             return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app = web.Application()
-        app.router.add_get("/lookup", lookup)
+        app.router.add_get("/lookup", lookup, allow_head=False)  # a HEAD would count and observe a lookup
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/metrics", metrics)
         stop = asyncio.Event()
