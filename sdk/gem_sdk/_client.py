@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
 from gem_sdk._exceptions import GEMError, NotFoundError, WaitTimeoutError, describe
-from gem_sdk._objects import finalizers_left, phase_of, pod_name, resolve_ref
+from gem_sdk._objects import finalizers_left, job_of, phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
     TERMINAL_PHASES,
@@ -194,7 +194,8 @@ class GEMClient:
         """Stream the log of one trainer pod, waiting for the pod to start first.
 
         Pods are `<job>-master-0` and `<job>-worker-<index>`, where `<job>` is the PyTorchJob
-        the resource runs as (`gem.api.render.job_name`).
+        the resource runs as: the one the operator recorded (`status.pytorchJob`), else, before
+        it has one, `gem.api.render.job_name`'s name.
 
         Args:
             name: The job's name, or a typed object.
@@ -526,14 +527,15 @@ class GEMClient:
         obj = self.get(name, kind=kind, namespace=namespace)
         replicas = [("master", 0)] + [("worker", i) for i in range(obj.spec.parallelism.num_nodes - 1)]
         ref = {"kind": obj.kind, "namespace": obj.metadata.namespace}
+        job = job_of(obj)
         if not follow:
             for replica, index in replicas:
-                pod = pod_name(obj.kind, obj.metadata.name, replica, index)
+                pod = pod_name(obj.kind, obj.metadata.name, replica, index, job=job)
                 for line in self.logs(obj, **ref, replica=replica, index=index, timeout=timeout):
                     yield pod, line
             return
         yield from _interleave(
-            [(pod_name(obj.kind, obj.metadata.name, r, i),
+            [(pod_name(obj.kind, obj.metadata.name, r, i, job=job),
               lambda r=r, i=i: self.logs(obj, **ref, replica=r, index=i, follow=True, timeout=timeout))
              for r, i in replicas]
         )

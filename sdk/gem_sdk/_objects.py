@@ -280,8 +280,20 @@ def resolve_ref(ref: Ref, kind: str | None, namespace: str | None, default_names
     return kind, namespace or default_namespace, name  # type: ignore[return-value]
 
 
-def pod_name(kind: str, name: str, replica: str, index: int) -> str:
-    """The pod the training operator creates for one replica: `<job>-master-0`, `<job>-worker-<i>`.
+def job_of(obj: Resource) -> str:
+    """The PyTorchJob the resource runs as: the name the operator recorded (status.pytorchJob), else,
+    before it has made one, the name it will give it (`render.job_name`).
+
+    The recorded name comes first: an operator of an earlier release may have named the job
+    otherwise (render.job_name's budget for long names changed), and the operator keeps that job.
+    """
+    recorded = obj.status.pytorch_job if obj.status is not None else None
+    return recorded or job_name(obj.kind, obj.metadata.name)
+
+
+def pod_name(kind: str, name: str, replica: str, index: int, *, job: str | None = None) -> str:
+    """The pod the training operator creates for one replica: `<job>-master-0`, `<job>-worker-<i>`,
+    where `<job>` is `job` (see `job_of`), else `render.job_name`'s.
 
     Raises:
         ValidationError: replica is not master/worker, or the index is impossible.
@@ -291,7 +303,7 @@ def pod_name(kind: str, name: str, replica: str, index: int) -> str:
         raise ValidationError(f"replica must be master or worker, got {replica!r}")
     if index < 0 or (replica == "master" and index != 0):
         raise ValidationError(f"there is one master (index 0) and workers 0..numNodes-2; got {replica} {index}")
-    return f"{job_name(kind, name)}-{replica}-{index}"
+    return f"{job or job_name(kind, name)}-{replica}-{index}"
 
 
 def check_replica_exists(obj: Resource, replica: str, index: int) -> None:
@@ -307,7 +319,7 @@ def check_replica_exists(obj: Resource, replica: str, index: int) -> None:
         workers = f"workers 0..{nodes - 2}" if nodes > 1 else "no worker"
         raise NotFoundError(
             f"{describe(obj.kind, obj.metadata.namespace, obj.metadata.name)} has no pod "
-            f"{pod_name(obj.kind, obj.metadata.name, replica, index)}: spec.parallelism.numNodes is {nodes}, "
+            f"{pod_name(obj.kind, obj.metadata.name, replica, index, job=job_of(obj))}: spec.parallelism.numNodes is {nodes}, "
             f"so it has one master and {workers}",
             kind=obj.kind, namespace=obj.metadata.namespace, name=obj.metadata.name,
         )
@@ -413,13 +425,13 @@ def pod_order(pod: ReplicaPod) -> tuple[int, int, str]:
     return (0 if pod.replica_type == "master" else 1, pod.index, pod.name)
 
 
-def pod_selector(kind: str, name: str, replica: str | None, index: int | None) -> str:
-    """The label selector of a job's pods (the training operator's labels).
+def pod_selector(kind: str, name: str, replica: str | None, index: int | None, *, job: str | None = None) -> str:
+    """The label selector of a job's pods (the training operator's labels); `job` as for `pod_name`.
 
     Raises:
         ValidationError: replica is not master/worker, or the index is negative.
     """
-    selector = f"{LABEL_JOB_NAME}={job_name(kind, name)}"
+    selector = f"{LABEL_JOB_NAME}={job or job_name(kind, name)}"
     if replica is not None:
         if replica.lower() not in ("master", "worker"):
             raise ValidationError(f"replica must be master or worker, got {replica!r}")

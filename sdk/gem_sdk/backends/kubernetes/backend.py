@@ -29,6 +29,7 @@ from gem_sdk._objects import (
     describe_until,
     finalizers_left,
     from_wire,
+    job_of,
     normalize_until,
     phase_of,
     pod_from_wire,
@@ -386,8 +387,9 @@ class KubernetesBackend(Backend):
         index: int | None = None,
     ) -> list[ReplicaPod]:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
-        selector = pod_selector(kind, name, replica, index)
-        self.get(name, kind=kind, namespace=ns)  # NotFoundError for a job that does not exist
+        pod_selector(kind, name, replica, index)  # ValidationError before any request
+        job = self.get(name, kind=kind, namespace=ns)  # NotFoundError for a job that does not exist
+        selector = pod_selector(kind, name, replica, index, job=job_of(job))
         # The body is read inside _call: a connection dropped halfway through it is a BackendError too.
         body = self._call("list pods of", kind, ns, name,
                           lambda **kw: _json(self.core.list_namespaced_pod(ns, label_selector=selector,
@@ -426,10 +428,9 @@ class KubernetesBackend(Backend):
         timeout: float | None = None,
     ) -> Iterator[str]:
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
-        pod = pod_name(kind, name, replica, index)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._check_replica(kind, ns, name, pod, replica, index, deadline)
-        self._wait_for_pod(kind, ns, name, pod, deadline)
+        job = self._check_replica(kind, ns, name, replica, index, deadline)
+        pod = self._wait_for_pod(kind, ns, name, replica, index, deadline, job=job)["metadata"]["name"]
         return self._lines(self._read_log(kind, ns, name, pod, follow), kind, ns, name)
 
     def _previous_log(self, name: Ref, *, kind: str | None = None, namespace: str | None = None,
@@ -437,8 +438,8 @@ class KubernetesBackend(Backend):
         """The log of the replica's last terminated container, as `kubectl logs --previous` reads it:
         in CrashLoopBackOff the one that just exited, after a restart the one before the current."""
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
-        pod = pod_name(kind, name, replica, index)
-        self._check_replica(kind, ns, name, pod, replica, index, None)
+        job = self._check_replica(kind, ns, name, replica, index, None)
+        pod = pod_name(kind, name, replica, index, job=job_of(job))
         ref = {"kind": kind, "namespace": ns, "name": name}
         try:
             resp = self.core.read_namespaced_pod_log(pod, ns, container=CONTAINER_NAME, previous="true",
@@ -475,14 +476,13 @@ class KubernetesBackend(Backend):
         shows it (another containerID and restartCount, running or terminated).
         """
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
-        pod = pod_name(kind, name, replica, index)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if after is None:
-            self._check_replica(kind, ns, name, pod, replica, index, deadline)
+        job = self._check_replica(kind, ns, name, replica, index, deadline) if after is None else None
         while True:
-            seen = self._wait_for_pod(kind, ns, name, pod, deadline, after=after)
+            seen = self._wait_for_pod(kind, ns, name, replica, index, deadline, job=job, after=after)
             if seen is None:
                 return None
+            pod = seen["metadata"]["name"]
             resp = self._read_log(kind, ns, name, pod, follow=True)
             try:
                 # Not cut to the deadline: the log is open, the wait for it is over.
@@ -505,11 +505,14 @@ class KubernetesBackend(Backend):
             "get", kind, ns, name, deadline=deadline, timed_out=timed_out, retry=retry,
         ))
 
-    def _check_replica(self, kind: str, ns: str, name: str, pod: str, replica: str, index: int,
-                       deadline: float | None) -> None:
+    def _check_replica(self, kind: str, ns: str, name: str, replica: str, index: int,
+                       deadline: float | None) -> Resource:
+        """The job, once it is known to have this replica (ValidationError for an impossible one)."""
+        pod = pod_name(kind, name, replica, index)  # the job is not read yet: the name it gets by default
         # NotFoundError now, not at the first next(); within the timeout even if the API never answers.
         job = self._get_riding_out(kind, ns, name, deadline, self._pod_timed_out(ns, pod, kind, name), retry=False)
         check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
+        return job
 
     def _read_log(self, kind: str, ns: str, name: str, pod: str, follow: bool) -> Any:
         # follow as kubectl sends it ("true"); the client would send Python's "True", which a
@@ -558,9 +561,13 @@ class KubernetesBackend(Backend):
             for cs in status.get("containerStatuses") or []
         )
 
-    def _wait_for_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None,
-                      after: Any = None) -> dict[str, Any] | None:
-        """Watch the pod until its container has started (its log exists), until `deadline`; the pod.
+    def _wait_for_pod(self, kind: str, ns: str, name: str, replica: str, index: int, deadline: float | None,
+                      job: Resource | None = None, after: Any = None) -> dict[str, Any] | None:
+        """Watch the replica's pod until its container has started (its log exists), until `deadline`;
+        the pod.
+
+        The pod is named after the job that `job` (the resource, read before) records, else after the
+        name the operator gives it by default; once the operator records another, that one's pod.
 
         Each watch lasts a few seconds so that a job that ended without ever starting this pod,
         or is suspended without it, is noticed (NotFoundError) instead of waiting forever. The
@@ -571,6 +578,7 @@ class KubernetesBackend(Backend):
         job ended. A suspended job is waited through (its pods come back on resume).
         """
         ref = {"kind": kind, "namespace": ns, "name": name}
+        pod = pod_name(kind, name, replica, index, job=None if job is None else job_of(job))
         timed_out = self._pod_timed_out(ns, pod, kind, name)
 
         def verdict(p: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
@@ -590,6 +598,10 @@ class KubernetesBackend(Backend):
             if done:
                 return found
             job = self._get_riding_out(kind, ns, name, deadline, timed_out)
+            recorded = pod_name(kind, name, replica, index, job=job_of(job))
+            if recorded != pod:  # the operator's job is another than the one looked for: its pod, at once
+                pod, timed_out = recorded, self._pod_timed_out(ns, recorded, kind, name)
+                continue
             if phase_of(job) in TERMINAL_PHASES:
                 if after is not None:
                     return None
