@@ -216,6 +216,29 @@ def test_compute_stores_under_the_version_live_when_scoring_began():
     assert service.store.stats()["pairs"] == 0 and service.store.get(*pairs[0], now=now[0]) is None
 
 
+def test_a_pair_computed_from_an_older_user_state_is_computed_again():
+    """pending_pairs skipped every pair still fresh in the store: once a newer impression of the user was
+    observed (a new state to score from), the value of the older state was served as exact until its TTL."""
+    import numpy as np
+
+    service = make_service([0.0])
+    ctx = service.context
+    order = np.argsort(ctx.request_time, kind="stable")
+    user = max(set(ctx.user_id.tolist()), key=ctx.user_id.tolist().count)
+    rows = [int(r) for r in order if ctx.user_id[r] == user]  # the user's impressions, oldest first
+    first, last = rows[0], rows[-1]
+    t_last = float(ctx.request_time[last])
+    assert ctx.request_time[first] < t_last
+    service.user_row[user] = first  # the state known when the round ran
+    computed_at = t_last - 60.0  # a minute before the newer impression: fresh at t_last (TTL 1 h)
+    pairs = [(u, a) for u, a in service.pending_pairs(computed_at) if u == user]
+    assert pairs and service.compute(pairs, computed_at) == len(pairs)
+    assert not [p for p in service.pending_pairs(computed_at) if p[0] == user]  # fresh and of the latest state
+
+    service.observe(user, pairs[0][1], t_last, row=last)  # a newer impression: the user's state moved on
+    assert set(pairs) <= set(service.pending_pairs(t_last))
+
+
 def test_the_cli_clock_does_not_go_back_with_the_wall_clock(monkeypatch):
     """The store expects its now to move forward; an NTP step back of time.time() moved it back."""
     import time

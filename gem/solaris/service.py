@@ -10,7 +10,7 @@
 Every lookup is also a request observation: it feeds the predictor's recent candidates and the
 segment popularity, so what is asked for now is what gets precomputed next. The background task
 (`run_precompute`) wakes every `interval_s`, asks the predictor for the pairs of recently active
-users, skips those still fresh in the store, scores the rest with the FM in a worker thread (the
+users, skips those still fresh in the store (and computed from the user's latest state), scores the rest with the FM in a worker thread (the
 event loop keeps answering lookups) and writes them to the store with the model version and TTL.
 
 A failed round is counted and logged (the traceback once per distinct error: type and place it was
@@ -87,9 +87,16 @@ class SolarisService:
         return result
 
     def pending_pairs(self, now: float) -> list[tuple[int, int]]:
+        """The predicted pairs of recently active users that the store holds no fresh value for, or one
+        computed before the user's latest state (an impression observed since: the value is of an older state)."""
         users = [u for u in self.predictor.active_users(now, self.active_window_s) if u in self.user_row]
-        return [(u, a) for u, a in self.predictor.predict(users, self.per_user)
-                if self.store.get(u, a, now=now) is None]
+        state_time = {u: float(self.context.request_time[self.user_row[u]]) for u in users}
+        pending = []
+        for u, a in self.predictor.predict(users, self.per_user):
+            e = self.store.get(u, a, now=now)
+            if e is None or e.computed_at < state_time[u]:
+                pending.append((u, a))
+        return pending
 
     def compute(self, pairs: list[tuple[int, int]], now: float, version: str | None = None) -> int:
         """Score pairs with the FM and store them (synchronous; run it in a thread from asyncio)."""
