@@ -3,6 +3,7 @@ watches, the status subresource, fault injection and PyTorchJobs run as local pr
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import threading
@@ -897,3 +898,53 @@ def test_pods_and_logs_follow_the_job_name_the_operator_recorded(client, kubeapi
                                            (f"{legacy}-worker-0", f"on {legacy}-worker-0")]
     r = CliRunner().invoke(gemctl_app, ["logs", "gt", LONG, "--kubeconfig", str(kubeapi.kubeconfig_path)])
     assert r.exit_code == 0 and r.stdout == f"on {legacy}-master-0\n", r.output
+
+
+def test_list_reads_in_pages_as_kubectl_does(client, kubeapi, monkeypatch):
+    # One unbounded LIST before: thousands of jobs in one answer, which an API server may cut off
+    # at its request timeout. Now pages of _LIST_CHUNK with `continue`, as kubectl's --chunk-size.
+    from gem_sdk.backends.kubernetes import backend
+
+    monkeypatch.setattr(backend, "_LIST_CHUNK", 2)
+    names = [f"job-{i}" for i in range(5)]
+    for name in names:
+        client.submit(manifest(name, team="ads"))
+    kubeapi.create("v1", "Namespace", {"metadata": {"name": "team-b"}})
+    client.submit(manifest("elsewhere"), namespace="team-b")
+    pages = kubeapi.faults.add(method="GET", path=r"/namespaces/default/gemtrainings\?.*limit=2")
+    assert [o.metadata.name for o in client.list(kind="GEMTraining")] == names
+    assert pages.hits == 3  # 2 + 2 + 1
+    assert [o.metadata.name for o in client.list(kind="GEMTraining", label_selector="team=ads")] == names
+    assert pages.hits == 6
+    cluster = kubeapi.faults.add(method="GET", path=r"/apis/gem.dev/v1alpha1/gemtrainings\?.*limit=2")
+    assert [o.metadata.name for o in client.list(kind="GEMTraining", all_namespaces=True)] == names + ["elsewhere"]
+    assert cluster.hits == 3
+    r = CliRunner().invoke(gemctl_app, ["list", "gt", "--kubeconfig", str(kubeapi.kubeconfig_path), "-o", "json"])
+    assert r.exit_code == 0 and pages.hits == 9, r.output
+    assert [o["metadata"]["name"] for o in json.loads(r.stdout)["items"]] == names
+
+
+def test_list_whose_pages_expired_reads_it_whole(tmp_path, monkeypatch):
+    # The first page's snapshot compacted before the next page is read: 410 Expired. A whole list
+    # then, consistent, as client-go's pager does, rather than an error or a list of two moments.
+    from gem_sdk.backends.kubernetes import backend
+    from tests.kubeapi import KubeAPIServer
+
+    monkeypatch.setattr(backend, "_LIST_CHUNK", 2)
+    with KubeAPIServer(workdir=tmp_path / "kubeapi", history_size=3) as server:
+        client = GEMClient(KubernetesBackendConfig(kubeconfig=str(server.kubeconfig_path)))
+        for i in range(3):
+            client.submit(manifest(f"job-{i}"))
+        first_page = client.backend.custom.list_namespaced_custom_object
+
+        def then_writes(*args, **kwargs):
+            body = first_page(*args, **kwargs)
+            if kwargs.get("limit") and "_continue" not in kwargs:  # more than the history keeps, between the pages
+                for i in range(3, 7):
+                    client.submit(manifest(f"job-{i}"))
+            return body
+
+        monkeypatch.setattr(client.backend.custom, "list_namespaced_custom_object", then_writes)
+        expired = server.faults.add(method="GET", path=r"continue=")
+        assert [o.metadata.name for o in client.list(kind="GEMTraining")] == [f"job-{i}" for i in range(7)]
+        assert expired.hits == 1

@@ -70,6 +70,9 @@ _RELIST_PAUSE_S = 0.2
 _OUTAGE_S, _OUTAGE_PAUSE_MAX_S = 300.0, 10.0
 #: Answers of an API server that is restarting or overloaded, worth another try.
 _TRANSIENT = frozenset({429, 500, 502, 503, 504})
+#: Objects per list request, as kubectl's --chunk-size: a namespace with thousands of jobs is read
+#: in pages the API server can answer within its request timeout, not in one unbounded answer.
+_LIST_CHUNK = 500
 #: (connect, read) seconds of one request when no deadline is nearer: an API server that takes the
 #: connection and never answers must not hang a call forever.
 _CONNECT_TIMEOUT_S, _READ_TIMEOUT_S = 10.0, 60.0
@@ -160,6 +163,27 @@ class KubernetesBackend(Backend):
             time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, _OUTAGE_PAUSE_MAX_S)
 
+    def _paged(self, request: Callable[..., Any], verb: str, kind: str, ns: str | None) -> list[dict[str, Any]]:
+        """Every item of a list, read in pages of _LIST_CHUNK (`limit` and `continue`) as kubectl does.
+
+        A 410 Expired on a later page (the first page's snapshot was compacted meanwhile) gets one
+        whole, consistent list instead, as client-go's pager falls back to (FullListIfExpired).
+        """
+        items: list[dict[str, Any]] = []
+        token = None
+        while True:
+            try:
+                body = self._parsed(request(limit=_LIST_CHUNK, **({"_continue": token} if token else {})),
+                                    verb, kind, ns, None)
+            except ApiException as e:
+                if e.status == 410 and token:
+                    return self._parsed(request(), verb, kind, ns, None).get("items") or []
+                raise
+            items += body.get("items") or []
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
     # ------------------------------------------------------------------ CRUD
 
     def submit(self, obj: ObjectInput, *, kind: str | None = None, namespace: str | None = None) -> Resource:
@@ -211,7 +235,8 @@ class KubernetesBackend(Backend):
             args = (GROUP, VERSION, _plural(k)) if all_namespaces else (GROUP, VERSION, ns, _plural(k))
             fn = self.custom.list_cluster_custom_object if all_namespaces else self.custom.list_namespaced_custom_object
             try:
-                body = fn(*args, **selector, _request_timeout=_timeouts(None))
+                items = self._paged(lambda **kw: fn(*args, **selector, **kw, _request_timeout=_timeouts(None)),
+                                    "list", k, where)
             except ApiException as e:
                 if e.status == 400 and label_selector:  # a list's 400 is its selector's: name the selector
                     raise ValidationError(f"invalid label selector {label_selector!r}: {status_message(e)}",
@@ -219,8 +244,7 @@ class KubernetesBackend(Backend):
                 raise api_error(e, "list", k, where, None) from None
             except CONNECTION_ERRORS as e:
                 raise api_error(e, "list", k, where, None) from None
-            body = self._parsed(body, "list", k, where, None)
-            out.extend(from_wire(item) for item in body.get("items") or [])
+            out.extend(from_wire(item) for item in items)
         return sorted(out, key=lambda o: (o.metadata.namespace or "", o.kind, o.metadata.name))
 
     def delete(self, name: Ref, *, kind: str | None = None, namespace: str | None = None) -> None:
