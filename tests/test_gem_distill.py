@@ -123,6 +123,35 @@ def test_kd_loss_mixes_labels_and_soft_teacher_targets():
                           kd_loss(student, teacher, batch, alpha=1.0, temperature=2.0)[1]["conversion"])
 
 
+def test_a_bf16_students_history_mean_holds_beyond_256_events():
+    """precision bf16 trains the student's weights in bf16: its pooled history summed and counted the
+    events in bf16, whose running sums stop growing near 256, so a student reading 512 events got twice
+    their mean (600 copies of one event pooled to 2x that event)."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from gem.api.types import StudentSpec, SyntheticDataSpec
+    from gem.data.batch import make_batch
+    from gem.data.synthetic import SyntheticWorld
+
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=6)).sample(2, split=0)
+    batch = make_batch(ex, np.arange(2), max_seq_len=8)
+    n = 600  # each example's first event, n times: the mean of its last 512 is that event
+    first = batch.seq_offsets[:-1]
+    for field in ("seq_ad_id", "seq_campaign_id", "seq_type", "seq_timestamp", "seq_surface"):
+        setattr(batch, field, getattr(batch, field)[first].repeat_interleave(n))
+    batch.seq_offsets = torch.tensor([0, n, 2 * n], dtype=batch.seq_offsets.dtype)
+    torch.manual_seed(0)
+    model = StudentModel(StudentSpec(embedding_dim=8, hidden_dim=16, max_seq_len=512))
+    with torch.no_grad():
+        want = model.pooled_history(batch)
+        got = copy.deepcopy(model).to(torch.bfloat16).pooled_history(batch)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=1e-2), (got, want)
+
+
 def test_kd_distills_over_mixed_data_sources(tmp_path):
     """distillation.method kd with spec.data.sources: the trainer mixes the sources for the student and the
     teacher alike (both read each batch), with per-source eval metrics; only loopfm refuses mixing."""

@@ -52,14 +52,16 @@ class StudentModel(nn.Module):
         seg = segment_ids(offsets)  # [ΣL]
         # The batch may carry a longer history (the teacher's): keep only the most recent events.
         from_end = offsets[1:].index_select(0, seg) - 1 - torch.arange(seg.numel(), device=seg.device)  # [ΣL]
-        keep = (from_end < self._max_seq_len).to(self.item.weight.dtype)  # [ΣL]
+        keep = (from_end < self._max_seq_len).float()  # [ΣL]
         events = (self.item(hash_ids(batch.seq_ad_id, ITEM_BUCKETS, salt=2))
                   + self.campaign(hash_ids(batch.seq_campaign_id, CAMPAIGN_BUCKETS, salt=3))
                   + self.event_type(batch.seq_type % NUM_EVENT_TYPE_BUCKETS))  # [ΣL, d]
         B = batch.size
-        total = events.new_zeros(B, events.shape[1]).index_add(0, seg, events * keep.unsqueeze(1))  # [B, d]
+        # Summed in float32: a bf16 student's (precision bf16) running sums stop growing near 256 events
+        # (a count of 600 ones reads 256), which made its mean of 512 events twice the mean.
+        total = keep.new_zeros(B, events.shape[1]).index_add(0, seg, events.float() * keep.unsqueeze(1))  # [B, d]
         count = keep.new_zeros(B).index_add(0, seg, keep).clamp_min(1.0)  # [B]
-        return total / count.unsqueeze(1)
+        return (total / count.unsqueeze(1)).to(events.dtype)
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         ad = self.item(hash_ids(batch.ad_id, ITEM_BUCKETS, salt=2))  # [B, d]
