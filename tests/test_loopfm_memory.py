@@ -106,6 +106,29 @@ def test_history_representation_is_candidate_independent_and_point_in_time():
     assert logits == {} and np.allclose(rows, emb.numpy())
 
 
+def test_embedding_examples_leaves_no_hook_on_the_model():
+    """embed_examples / log_stream with kind "tokens" hooked the FM's output norm on every call and never
+    unhooked it: a log over a Parquet split (one call per row group) left one hook per group, each run
+    on every later forward of the model."""
+    import torch
+
+    from gem.api.types import ModelSpec, SyntheticDataSpec
+    from gem.data.synthetic import SyntheticWorld
+    from gem.loopfm.logging import UserRepresentation, embed_examples
+    from gem.model import build_model
+
+    torch.manual_seed(0)
+    fm = build_model(ModelSpec(preset="tiny")).eval()
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=6)).sample(16, split=0)
+    first, _ = embed_examples(fm, ex)
+    again, _ = embed_examples(fm, ex)
+    assert np.array_equal(first, again) and first.shape == (16, 64)
+    assert not fm.norm_out._forward_hooks
+    with UserRepresentation(fm) as rep:  # a long-lived reader (the Solaris scorer) unhooks when closed
+        assert len(fm.norm_out._forward_hooks) == 1 and rep.dim == 64
+    assert not fm.norm_out._forward_hooks
+
+
 def test_any_int64_user_id_point_in_time(tmp_path):
     """Hashed user ids are int64 (docs/data.md): negative and 64-bit ids index and look up like small ones."""
     rng = np.random.default_rng(1)

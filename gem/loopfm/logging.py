@@ -100,11 +100,22 @@ class UserRepresentation:
         self.model = model
         self.kind = kind
         self._captured: torch.Tensor | None = None
-        if kind == "tokens":
-            model.norm_out.register_forward_hook(self._hook)
+        self._handle = model.norm_out.register_forward_hook(self._hook) if kind == "tokens" else None
 
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         self._captured = output
+
+    def close(self) -> None:
+        """Unhook the model (kind "tokens"): a hook left behind runs on every later forward of it."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __enter__(self) -> "UserRepresentation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def dim(self) -> int:
@@ -141,16 +152,16 @@ def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LO
     logits=False skips the FM's forward where the representation does not need it ("history"),
     and returns no logits.
     """
-    rep = UserRepresentation(model.eval(), kind)
     need_logits = logits or kind == "tokens"
     embs, out_logits = [], {"click": [], "conversion": []}
-    for lo in range(0, len(examples), batch_size):
-        idx = np.arange(lo, min(lo + batch_size, len(examples)))
-        out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len), logits=need_logits)
-        embs.append(emb.numpy())
-        if logits:
-            for task in out_logits:
-                out_logits[task].append(out[task].float().numpy())
+    with UserRepresentation(model.eval(), kind) as rep:
+        for lo in range(0, len(examples), batch_size):
+            idx = np.arange(lo, min(lo + batch_size, len(examples)))
+            out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len), logits=need_logits)
+            embs.append(emb.numpy())
+            if logits:
+                for task in out_logits:
+                    out_logits[task].append(out[task].float().numpy())
     return np.concatenate(embs), ({k: np.concatenate(v) for k, v in out_logits.items()} if logits else {})
 
 
