@@ -239,6 +239,18 @@ def test_a_pair_computed_from_an_older_user_state_is_computed_again():
     assert set(pairs) <= set(service.pending_pairs(t_last))
 
 
+def test_expired_pairs_leave_healthz_and_metrics_once_users_go_idle():
+    """Expired pairs were swept only by lookups and puts: once no user was active (no round puts) and no
+    lookup came, /healthz "pairs" and solaris_store_entries kept counting pairs that had expired long ago."""
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    assert service.compute(service.pending_pairs(now[0]), now[0]) > 0
+    now[0] += 11 * 86400.0  # past the TTL (1 h) and the activity window (10 days): nothing is pending
+    assert asyncio.run(service.precompute_once()) == 0
+    assert service.store.stats()["pairs"] == 0
+
+
 def test_the_cli_clock_does_not_go_back_with_the_wall_clock(monkeypatch):
     """The store expects its now to move forward; an NTP step back of time.time() moved it back."""
     import time

@@ -122,6 +122,7 @@ class SolarisService:
 
     async def precompute_once(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
+        self.store.evict_expired(now)  # lookups and puts sweep too, but neither may come while users are idle
         pairs = self.pending_pairs(now)
         version = self.store.version
         n = await asyncio.to_thread(self.compute, pairs, now, version)
