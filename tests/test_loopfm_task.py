@@ -2,6 +2,7 @@
 (a partial or other-data log is replaced), and a student reloads the memory version it was trained with."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -437,3 +438,15 @@ def test_a_registered_model_teacher_has_the_same_version_in_every_process(tmp_pa
     shutil.rmtree(first)
     _, _, path = load_teacher(manifest.spec, "local", job_manifest=manifest)
     assert model_version_of(path) == model_version_of(second)
+
+
+@pytest.mark.parametrize("uri", ["models:/nosuch/1", "runs:/0123456789abcdef0123456789abcdef/checkpoint"])
+def test_an_mlflow_teacher_that_is_not_there_is_a_spec_error_naming_the_field(tmp_path, teacher_dir, monkeypatch,
+                                                                              uri):
+    """A registered model, version or run that does not exist was MLflow's own exception (exit 1, a traceback,
+    and a pod restarting forever), where a missing checkpoint or GEMTraining is a config error (exit 2)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"mlflowModelUri": uri}
+    with pytest.raises(SpecError, match=rf"^spec\.teacher\.mlflowModelUri {re.escape(repr(uri))}: MLflow has no such"):
+        load_teacher(parse_object(wire).spec, "local")

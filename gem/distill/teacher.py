@@ -53,13 +53,22 @@ def _checkpoint_in(path: Path, what: str, fix: str) -> Path:
 
 def _download(uri: str, tracking_uri: str | None) -> Path:
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     # A registered model's (models:/...) files land in dst itself: a fixed last component keeps the
     # teacher's version (directory name + weights hash) the same on every rank and after a restart.
     dst = Path(tempfile.mkdtemp(prefix="gem-teacher-")) / "checkpoint"
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise  # the server unreachable, say: a restart may succeed
+        # a model, version or run that is not there: a config error no restart fixes (exit 2)
+        raise SpecError(f"spec.teacher.mlflowModelUri {uri!r}: MLflow has no such model, version or run "
+                        f"({' '.join(str(e).split())[:300]}): name a registered model version (models:/<name>/"
+                        "<version>) or a run's checkpoint artifacts (runs:/<run id>/checkpoint)") from e
 
 
 def teacher_field(spec: LoopFMDistillSpec) -> str:
