@@ -948,3 +948,25 @@ def test_list_whose_pages_expired_reads_it_whole(tmp_path, monkeypatch):
         expired = server.faults.add(method="GET", path=r"continue=")
         assert [o.metadata.name for o in client.list(kind="GEMTraining")] == [f"job-{i}" for i in range(7)]
         assert expired.hits == 1
+
+
+def test_pods_and_logs_skip_the_pods_of_a_deleted_job_of_the_same_name(client, kubeapi):
+    # Deleted, then submitted again at once: the first job's pods are still going (garbage
+    # collection and their grace period take a while) and bear the same names and job-name label.
+    # pods() listed them and logs() streamed the first job's log as the new one's.
+    from tests.kubeapi.testing import wait_for
+
+    first = client.submit(manifest("again"))
+    job = _script_job("again-train", "import time\nprint('first run', flush=True)\ntime.sleep(60)\n")
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"] = {"labels": {"gem.dev/uid": first.metadata.uid}}
+    kubeapi.create("kubeflow.org/v1", "PyTorchJob", job)
+    wait_for(lambda: list(client.logs("again", timeout=30)) == ["first run"], what="the first job's log")
+    client.delete("again", wait=True)
+    client.submit(manifest("again"))
+    assert client.pods("again") == []
+    with pytest.raises(NotFoundError, match="pod default/again-train-master-0 of .* does not exist"):
+        client.logs("again", previous=True)
+    with pytest.raises(WaitTimeoutError, match="timed out waiting for pod default/again-train-master-0 to start"):
+        client.logs("again", timeout=1)
+    with pytest.raises(WaitTimeoutError):
+        client.follow("again", timeout=1)

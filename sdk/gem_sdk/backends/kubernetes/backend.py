@@ -11,7 +11,7 @@ from typing import Any, NoReturn, TypeVar
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from gem.api.render import CONTAINER_NAME
+from gem.api.render import CONTAINER_NAME, LABEL_UID
 from gem.api.types import GROUP, KINDS, TERMINAL_PHASES, VERSION, Phase
 from gem_sdk._exceptions import (
     AlreadyExistsError,
@@ -418,7 +418,8 @@ class KubernetesBackend(Backend):
         body = self._call("list pods of", kind, ns, name,
                           lambda **kw: _json(self.core.list_namespaced_pod(ns, label_selector=selector,
                                                                            _preload_content=False, **kw)))
-        return sorted((pod_from_wire(p) for p in body.get("items") or []), key=pod_order)
+        pods = (p for p in body.get("items") or [] if not _of_another_job(p, job))
+        return sorted((pod_from_wire(p) for p in pods), key=pod_order)
 
     def metrics(
         self,
@@ -465,13 +466,18 @@ class KubernetesBackend(Backend):
         job = self._check_replica(kind, ns, name, replica, index, None)
         pod = pod_name(kind, name, replica, index, job=job_of(job))
         ref = {"kind": kind, "namespace": ns, "name": name}
+        missing = NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist (not created yet, "
+                                "or cleaned up): it has no previous container", **ref)
+        listed = self._call("list pods of", kind, ns, name, lambda **kw: _json(self.core.list_namespaced_pod(
+            ns, field_selector=f"metadata.name={pod}", _preload_content=False, **kw)))
+        if any(_of_another_job(p, job) for p in listed.get("items") or []):
+            raise missing
         try:
             resp = self.core.read_namespaced_pod_log(pod, ns, container=CONTAINER_NAME, previous="true",
                                                      _preload_content=False, _request_timeout=_timeouts(None))
         except ApiException as e:
             if e.status == 404:  # the job exists (checked above): it is the pod's
-                raise NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist (not created yet, "
-                                    "or cleaned up): it has no previous container", **ref) from None
+                raise missing from None
             if e.status == 400 and "previous terminated container" in status_message(e):
                 raise NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} has no previous container: it "
                                     "has not been restarted", **ref) from None
@@ -501,7 +507,11 @@ class KubernetesBackend(Backend):
         """
         kind, ns, name = resolve_ref(name, kind, namespace, self.default_namespace)
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = self._check_replica(kind, ns, name, replica, index, deadline) if after is None else None
+        if after is None:
+            job = self._check_replica(kind, ns, name, replica, index, deadline)
+        else:
+            timed_out = self._pod_timed_out(ns, pod_name(kind, name, replica, index), kind, name)
+            job = self._get_riding_out(kind, ns, name, deadline, timed_out)
         while True:
             seen = self._wait_for_pod(kind, ns, name, replica, index, deadline, job=job, after=after)
             if seen is None:
@@ -586,12 +596,13 @@ class KubernetesBackend(Backend):
         )
 
     def _wait_for_pod(self, kind: str, ns: str, name: str, replica: str, index: int, deadline: float | None,
-                      job: Resource | None = None, after: Any = None) -> dict[str, Any] | None:
+                      job: Resource, after: Any = None) -> dict[str, Any] | None:
         """Watch the replica's pod until its container has started (its log exists), until `deadline`;
         the pod.
 
         The pod is named after the job that `job` (the resource, read before) records, else after the
-        name the operator gives it by default; once the operator records another, that one's pod.
+        name the operator gives it by default; once the operator records another, that one's pod. A
+        pod of another resource of the same name (deleted, its pods still going) is no pod of its.
 
         Each watch lasts a few seconds so that a job that ended without ever starting this pod,
         or is suspended without it, is noticed (NotFoundError) instead of waiting forever. The
@@ -602,11 +613,11 @@ class KubernetesBackend(Backend):
         job ended. A suspended job is waited through (its pods come back on resume).
         """
         ref = {"kind": kind, "namespace": ns, "name": name}
-        pod = pod_name(kind, name, replica, index, job=None if job is None else job_of(job))
+        pod = pod_name(kind, name, replica, index, job=job_of(job))
         timed_out = self._pod_timed_out(ns, pod, kind, name)
 
         def verdict(p: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
-            if p is None:
+            if p is None or _of_another_job(p, job):
                 return False, None
             if after is None:
                 return (True, p) if self._pod_started(p) else (False, None)
@@ -617,7 +628,7 @@ class KubernetesBackend(Backend):
 
         while True:
             body = self._list_pod(kind, ns, name, pod, deadline)
-            items = body.get("items") or []
+            items = [p for p in body.get("items") or [] if not _of_another_job(p, job)]
             done, found = verdict(items[0] if items else None)
             if done:
                 return found
@@ -678,6 +689,14 @@ class KubernetesBackend(Backend):
                 time.sleep(_RELIST_PAUSE_S)
             finally:
                 w.stop()
+
+
+def _of_another_job(pod: dict[str, Any], job: Resource) -> bool:
+    """Whether the pod was made for another resource of the job's name: one deleted a moment ago,
+    whose pods go some time after it (garbage collection, their grace period) with the same names
+    and job-name label. The operator labels every pod with its resource's uid."""
+    uid = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_UID)
+    return uid is not None and uid != job.metadata.uid
 
 
 def _container_status(pod: dict[str, Any]) -> dict[str, Any]:
