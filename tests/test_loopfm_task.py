@@ -450,3 +450,27 @@ def test_an_mlflow_teacher_that_is_not_there_is_a_spec_error_naming_the_field(tm
     wire["spec"]["teacher"] = {"mlflowModelUri": uri}
     with pytest.raises(SpecError, match=rf"^spec\.teacher\.mlflowModelUri {re.escape(repr(uri))}: MLflow has no such"):
         load_teacher(parse_object(wire).spec, "local")
+
+
+@pytest.mark.parametrize("method", ["kd", "loopfm"])
+def test_a_distillation_named_like_its_teacher_is_a_spec_error(tmp_path, teacher_dir, method):
+    """LoopFMDistill `fm` distilling GEMTraining `fm` (another kind, so Kubernetes allows the name) under the same
+    checkpoint root shares its job directory: the trainer then resumed the student from the teacher's checkpoint
+    (a state-dict mismatch, exit 1) or, the uids differing, set the teacher's checkpoints aside."""
+    import shutil
+
+    from gem.distill.task import DistillTask
+
+    job = tmp_path / "ckpt" / "local" / "fm"
+    shutil.copytree(teacher_dir, job / "step-00000001")
+    (job / "step-00000001" / "COMPLETE").write_text("{}")
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["metadata"]["name"] = "fm"
+    wire["spec"]["teacher"] = {"gemTraining": "fm"}
+    wire["spec"]["distillation"]["method"] = method
+    with pytest.raises(SpecError, match=r"^spec\.teacher\.gemTraining: the teacher .*step-00000001 is in this "
+                                        r"distillation's own job directory .*metadata\.name"):
+        DistillTask(parse_object(wire), device=torch.device("cpu"))
+    assert not (job / "memory").exists()
+    wire["metadata"]["name"] = "fm-student"  # renamed: the same teacher distils
+    assert DistillTask(parse_object(wire), device=torch.device("cpu")).teacher_dir == job / "step-00000001"

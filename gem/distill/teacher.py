@@ -172,6 +172,19 @@ def _teacher_of_resumed_job(spec: LoopFMDistillSpec, job_manifest: Any, path: Pa
         f"(or move {job} away)")
 
 
+def _check_not_in_own_job(field: str, path: Path, job_manifest: Any) -> None:
+    """A teacher inside the distillation's own job directory (a LoopFMDistill named like its teacher
+    GEMTraining, under the same checkpoint root) is a SpecError: the trainer would resume the student from
+    the teacher's checkpoints (a state-dict mismatch, exit 1), or set them aside as an earlier resource's."""
+    meta = job_manifest.metadata
+    job = checkpoint.job_dir_of(job_manifest.spec.checkpoint.path, meta.namespace, meta.name)
+    if Path(path).resolve().is_relative_to(job.resolve()):
+        raise SpecError(f"{field}: the teacher {path} is in this distillation's own job directory {job}, where "
+                        "its student's checkpoints go: a LoopFMDistill and its teacher GEMTraining of the same "
+                        "name share one. Rename the distillation (metadata.name) or give it another "
+                        "spec.checkpoint.path")
+
+
 def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any = None) -> tuple[nn.Module, Any, Path]:
     """(frozen teacher in eval mode, its GEMTraining manifest, its checkpoint dir).
 
@@ -179,9 +192,10 @@ def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any =
     teacher they record (TEACHER_ANNOTATION) is kept, so a resume trains on against the same teacher.
     """
     path = resolve_teacher(spec, namespace)
-    if job_manifest is not None:
-        path = _teacher_of_resumed_job(spec, job_manifest, path)
     field = teacher_field(spec)
+    if job_manifest is not None:
+        _check_not_in_own_job(field, path, job_manifest)
+        path = _teacher_of_resumed_job(spec, job_manifest, path)
     try:
         kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
     except yaml.YAMLError as e:
