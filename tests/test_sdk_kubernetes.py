@@ -970,3 +970,20 @@ def test_pods_and_logs_skip_the_pods_of_a_deleted_job_of_the_same_name(client, k
         client.logs("again", timeout=1)
     with pytest.raises(WaitTimeoutError):
         client.follow("again", timeout=1)
+
+
+def test_wait_with_timeout_zero_answers_from_the_job_as_it_is(client, kubeapi):
+    # As `kubectl wait --timeout=0`: one look. Before, it timed out before looking, saying the
+    # Kubernetes API had not answered, even for a job that had long succeeded (gemctl exit 4).
+    client.submit(manifest("done"))
+    kubeapi.patch_status(API, "GEMTraining", "done", {"phase": "Succeeded"})
+    assert client.wait("done", timeout=0).status.phase == "Succeeded"
+    r = CliRunner().invoke(gemctl_app, ["wait", "gt", "done", "--timeout", "0", "--kubeconfig",
+                                        str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 0, r.output
+    client.submit(manifest("busy"))
+    kubeapi.patch_status(API, "GEMTraining", "busy", {"phase": "Running"})
+    with pytest.raises(WaitTimeoutError, match=r"timed out after 0s .* \(phase Running\)"):
+        client.wait("busy", timeout=0)
+    with pytest.raises(NotFoundError):
+        client.wait("ghost", timeout=0)

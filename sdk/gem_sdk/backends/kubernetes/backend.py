@@ -305,10 +305,14 @@ class KubernetesBackend(Backend):
 
         def list_job() -> dict[str, Any]:
             # Once the wait is under way (the job was found), an API that is briefly away is waited out.
+            # The first look is made even with no time left (it has the request's own timeouts then):
+            # timeout 0 answers from the job as it is, as `kubectl wait --timeout=0` does.
+            first = uid is None
+            until = None if first and deadline is not None and deadline <= time.monotonic() else deadline
             return self._ride_out(
                 lambda t: self.custom.list_namespaced_custom_object(
                     GROUP, VERSION, ns, plural, field_selector=selector, _request_timeout=t),
-                "list", kind, ns, name, deadline=deadline, timed_out=timed_out, retry=uid is not None,
+                "list", kind, ns, name, deadline=until, timed_out=timed_out, retry=not first,
             )
 
         while True:
