@@ -198,6 +198,41 @@ def test_a_failed_start_stops_the_background_precompute():
     asyncio.run(scenario())
 
 
+def test_stopping_mid_round_ends_it_after_the_batch_in_flight():
+    """On SIGTERM (runner.cleanup) a round in flight was scored to its last pair, however many it had, so the
+    pod's grace period had to outlast the longest round; its values are lost with the in-memory store
+    anyway. The round now ends after the batch in flight."""
+    import threading
+
+    now = [0.0]
+    service = make_service(now)
+    now[0] = float(service.context.request_time.max())
+    service.scorer.batch_size = 4
+    assert len(service.pending_pairs(now[0])) > 5 * 4
+    batches, in_round, release = [], threading.Event(), threading.Event()
+    rep = service.scorer.rep
+
+    def scoring(batch):  # the first batch waits in its worker thread until the server is stopping
+        batches.append(batch.size)
+        if len(batches) == 1:
+            in_round.set()
+            release.wait(60)
+        return rep(batch)
+
+    service.scorer.rep = scoring
+
+    async def scenario():
+        runner, _ = await service.start("127.0.0.1", 0)
+        assert await asyncio.to_thread(in_round.wait, 60)
+        cleanup = asyncio.create_task(runner.cleanup())
+        assert await asyncio.to_thread(service.stopping.wait, 60)
+        release.set()
+        await cleanup
+
+    asyncio.run(scenario())
+    assert batches == [4] and service.precomputed == 4 and service.store.stats()["pairs"] == 4
+
+
 def test_compute_stores_under_the_version_live_when_scoring_began():
     """A model swapped in while a round scores must not get the old model's values under its version."""
     now = [0.0]

@@ -18,6 +18,10 @@ raised; then one line per failed round) and the loop goes on. After `unhealthy_a
 row /healthz answers 503: as a liveness probe it restarts a pod whose model keeps failing (values
 go stale and lookups degrade to the default tier meanwhile), rather than serving on silently.
 
+Pairs are scored and stored a scorer batch at a time; when the app stops (SIGTERM) it sets `stopping`,
+and a round in flight ends after its batch in flight rather than its last (the in-memory store is lost
+on exit anyway, and a long round would outlast the pod's grace period).
+
 Time: `clock()` returns the service's notion of now in seconds; the CLI maps wall time onto the
 synthetic world's timeline, the benchmark and tests drive a simulated clock.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import traceback
 from collections import Counter
@@ -70,6 +75,8 @@ class SolarisService:
         self.consecutive_failures = 0
         self.last_error: str | None = None  # of the current run of failures; None after a round succeeds
         self._logged_errors: set[tuple] = set()  # (type, file, line) already logged with a traceback
+        # set when the app stops (SIGTERM): a round in flight ends after its current batch, not its last
+        self.stopping = threading.Event()
 
     # ------------------------------------------------------------------ core
 
@@ -99,25 +106,35 @@ class SolarisService:
         return pending
 
     def compute(self, pairs: list[tuple[int, int]], now: float, version: str | None = None) -> int:
-        """Score pairs with the FM and store them (synchronous; run it in a thread from asyncio)."""
+        """Score pairs with the FM and store them, a scorer batch at a time (synchronous; run it in a thread
+        from asyncio). Once `stopping` is set it stops after the batch in flight."""
         if not pairs:
             return 0
         # the version live *before* scoring: values of a model swapped out meanwhile are refused by put
         version = version or self.store.version
+        n, nonfinite, step = 0, self.store.nonfinite, self.scorer.batch_size
+        for lo in range(0, len(pairs), step):
+            if self.stopping.is_set():  # shutting down: the rest would be lost with the in-memory store anyway
+                log.info("precompute: stopping; %d of the round's %d pairs left unscored", len(pairs) - lo, len(pairs))
+                break
+            n += self._compute_batch(pairs[lo : lo + step], now, version)
+        if self.store.nonfinite > nonfinite:
+            log.warning("precompute: the store refused %d of %d pairs whose FM value or embedding is NaN/inf "
+                        "(a diverged model?)", self.store.nonfinite - nonfinite, len(pairs))
+        self.precomputed += n
+        return n
+
+    def _compute_batch(self, pairs: list[tuple[int, int]], now: float, version: str) -> int:
         users = np.array([u for u, _ in pairs], np.int64)
         ads = np.array([a for _, a in pairs], np.int64)
         rows = np.array([self.user_row[u] for u in users.tolist()], np.int64)
         values, embs = self.scorer.score(self.context, rows, ads)
         campaign = self.scorer.ad_campaign[ads]
         segment_of = self.lookup_.segment_of
-        n, nonfinite = 0, self.store.nonfinite
+        n = 0
         for i in range(len(pairs)):
             n += self.store.put(int(users[i]), int(ads[i]), int(campaign[i]), segment_of(int(users[i])), values[i],
                                 now=now, version=version, user_embedding=embs[i])
-        if self.store.nonfinite > nonfinite:
-            log.warning("precompute: the store refused %d of %d pairs whose FM value or embedding is NaN/inf "
-                        "(a diverged model?)", self.store.nonfinite - nonfinite, len(pairs))
-        self.precomputed += n
         return n
 
     async def precompute_once(self, now: float | None = None) -> int:
@@ -246,10 +263,12 @@ class SolarisService:
         stop = asyncio.Event()
 
         async def background(app: web.Application):
+            self.stopping.clear()
             task = asyncio.create_task(self.run_precompute(stop))
             yield
             stop.set()
-            await task  # lets a round in flight finish (its worker thread cannot be cancelled anyway)
+            self.stopping.set()
+            await task  # the round in flight ends after its batch in flight (a worker thread cannot be cancelled)
             log.info("solaris: precompute task stopped after %d rounds", self.rounds)
 
         app.cleanup_ctx.append(background)
