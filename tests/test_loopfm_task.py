@@ -474,3 +474,23 @@ def test_a_distillation_named_like_its_teacher_is_a_spec_error(tmp_path, teacher
     assert not (job / "memory").exists()
     wire["metadata"]["name"] = "fm-student"  # renamed: the same teacher distils
     assert DistillTask(parse_object(wire), device=torch.device("cpu")).teacher_dir == job / "step-00000001"
+
+
+@pytest.mark.parametrize("column", ["user_id", "request_time"])
+def test_parquet_data_without_the_memory_key_columns_is_a_spec_error(tmp_path, teacher_dir, column):
+    """A Parquet split without user_id or request_time reads them as 0 (docs/data.md): every example one user,
+    or every request at time 0, so the LoopFM student read other users' embeddings, or none at all, silently."""
+    import pyarrow.parquet as pq
+
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.parquet import write_synthetic
+
+    path = write_synthetic(SyntheticDataSpec.model_validate(WORLD), tmp_path / "pq", rows_per_group=64)
+    [eval_file] = sorted((path / "eval").glob("*.parquet"))
+    pq.write_table(pq.read_table(eval_file).drop_columns([column]), eval_file)
+    manifest = distill_manifest(tmp_path, teacher_dir)
+    manifest.spec.data = manifest.spec.data.model_validate({"source": "parquet", "path": str(path)})
+    with pytest.raises(SpecError, match=rf"^spec\.data\.path: {re.escape(str(eval_file))} has no {column} column: "
+                                        r"the LoopFM memory is keyed by \(user_id, request_time\)"):
+        loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
+    assert not loopfm_task.memory_dir_of(manifest).exists()  # refused before the teacher loads

@@ -163,6 +163,30 @@ def check_single_source(manifest: LoopFMDistill) -> None:
             "distil with distillation.method kd")
 
 
+#: The columns the memory is keyed by: a Parquet file without one reads it as 0 (docs/data.md).
+MEMORY_KEY_COLUMNS = ("user_id", "request_time")
+
+
+def check_memory_keys(data: DataSpec) -> None:
+    """Parquet data whose files lack user_id or request_time is a SpecError naming spec.data.path (footers only):
+    read as 0, every example would be one user (reading other users' embeddings) or every request at time 0
+    (reading none), and the student would train on it silently."""
+    import pyarrow.parquet as pq
+
+    src, field = (data.sources[0], "spec.data.sources[0]") if data.sources else (data, "spec.data")  # one source
+    if str(src.source) != "parquet":
+        return
+    for split in ("train", "eval"):
+        for f in sorted((Path(src.path) / split).glob("*.parquet")):
+            missing = [c for c in MEMORY_KEY_COLUMNS if c not in pq.read_schema(f).names]
+            if missing:
+                raise SpecError(
+                    f"{field}.path: {f} has no {' or '.join(missing)} column: the LoopFM memory is keyed by "
+                    "(user_id, request_time), which a missing column reads as 0 for every row (one user, or every "
+                    "request at time 0: the student would read other users' embeddings, or none). Write both "
+                    "(docs/data.md), or distil this data with distillation.method kd")
+
+
 class LoopFMTask:
     def __init__(self, manifest: LoopFMDistill, *, device: torch.device, is_main: bool | None = None):
         if is_main is None:
@@ -172,6 +196,7 @@ class LoopFMTask:
         spec = manifest.spec
         self.device = device
         check_single_source(manifest)  # before the (slow) teacher load
+        check_memory_keys(spec.data)
         check_student_unchanged(manifest)  # before the (slow) memory log
         # collective: a rank that cannot load the teacher fails every rank, not only itself
         self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher_on_every_rank(
