@@ -987,3 +987,21 @@ def test_wait_with_timeout_zero_answers_from_the_job_as_it_is(client, kubeapi):
         client.wait("busy", timeout=0)
     with pytest.raises(NotFoundError):
         client.wait("ghost", timeout=0)
+
+
+def test_logs_with_timeout_zero_read_a_started_pod(client, kubeapi):
+    # timeout bounds the wait for the pod to start: none is needed for one that has. Before, the
+    # deadline had passed before the job was read: "timed out waiting for pod ... to start".
+    from tests.kubeapi.testing import wait_for
+
+    client.submit({**manifest("ran"), "spec": {"training": {"steps": 5}, "parallelism": {"numNodes": 1}}})
+    kubeapi.create("kubeflow.org/v1", "PyTorchJob", _script_job("ran-train", "print('hi', flush=True)\n"))
+    wait_for(lambda: (kubeapi.get("v1", "Pod", "ran-train-master-0") or {}).get("status", {}).get("phase")
+             == "Succeeded", what="the pod done")
+    assert list(client.logs("ran", timeout=0)) == ["hi"]
+    assert [line for _, line in client.all_logs("ran", timeout=0)] == ["hi"]
+    r = CliRunner().invoke(gemctl_app, ["logs", "gt", "ran", "--timeout", "0", "--kubeconfig",
+                                        str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 0 and r.stdout == "hi\n", r.output
+    with pytest.raises(WaitTimeoutError, match="timed out waiting for pod default/quick-train-master-0 to start"):
+        client.logs(client.submit(manifest("quick")), timeout=0)

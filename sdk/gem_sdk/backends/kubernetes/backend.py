@@ -89,6 +89,13 @@ def _timeouts(deadline: float | None) -> tuple[float, float]:
     return (min(_CONNECT_TIMEOUT_S, left), min(_READ_TIMEOUT_S, left))
 
 
+def _first_look(deadline: float | None) -> float | None:
+    """The deadline of a call's first request: none once `deadline` has passed (the request has its
+    own timeouts then), so that a timeout of 0 looks once, as `kubectl wait --timeout=0` does,
+    instead of timing out without having asked."""
+    return None if deadline is not None and deadline <= time.monotonic() else deadline
+
+
 def _watch_timeouts(segment: float, deadline: float | None) -> tuple[float, float]:
     """The `_request_timeout` of a watch the server ends after `segment` s: reads may wait that
     long and a margin, but not past `deadline`."""
@@ -305,10 +312,9 @@ class KubernetesBackend(Backend):
 
         def list_job() -> dict[str, Any]:
             # Once the wait is under way (the job was found), an API that is briefly away is waited out.
-            # The first look is made even with no time left (it has the request's own timeouts then):
-            # timeout 0 answers from the job as it is, as `kubectl wait --timeout=0` does.
+            # The first look is made even with no time left: timeout 0 answers from the job as it is.
             first = uid is None
-            until = None if first and deadline is not None and deadline <= time.monotonic() else deadline
+            until = _first_look(deadline) if first else deadline
             return self._ride_out(
                 lambda t: self.custom.list_namespaced_custom_object(
                     GROUP, VERSION, ns, plural, field_selector=selector, _request_timeout=t),
@@ -548,7 +554,8 @@ class KubernetesBackend(Backend):
         """The job, once it is known to have this replica (ValidationError for an impossible one)."""
         pod = pod_name(kind, name, replica, index)  # the job is not read yet: the name it gets by default
         # NotFoundError now, not at the first next(); within the timeout even if the API never answers.
-        job = self._get_riding_out(kind, ns, name, deadline, self._pod_timed_out(ns, pod, kind, name), retry=False)
+        job = self._get_riding_out(kind, ns, name, _first_look(deadline), self._pod_timed_out(ns, pod, kind, name),
+                                   retry=False)
         check_replica_exists(job, replica, index)  # else we would wait for a pod that never comes
         return job
 
@@ -567,14 +574,16 @@ class KubernetesBackend(Backend):
                 sock.settimeout(None)
         return resp
 
-    def _list_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None) -> dict[str, Any]:
-        """The pod as a list of at most one (no 404 for a pod that is gone); an API server that is
-        briefly away is waited out."""
+    def _list_pod(self, kind: str, ns: str, name: str, pod: str, deadline: float | None,
+                  retry: bool = True) -> dict[str, Any]:
+        """The pod as a list of at most one (no 404 for a pod that is gone); with `retry`, an API
+        server that is briefly away is waited out."""
         return self._ride_out(
             # The body is read inside: a connection dropped while it is read is retried too.
             lambda t: _json(self.core.list_namespaced_pod(ns, field_selector=f"metadata.name={pod}",
                                                           _preload_content=False, _request_timeout=t)),
             "list pods of", kind, ns, name, deadline=deadline, timed_out=self._pod_timed_out(ns, pod, kind, name),
+            retry=retry,
         )
 
     @staticmethod
@@ -630,8 +639,10 @@ class KubernetesBackend(Backend):
             # A succeeded pod's containers are not restarted: nothing more comes from it.
             return ((p.get("status") or {}).get("phase") == "Succeeded"), None
 
+        look = _first_look(deadline)  # even with no time left: timeout 0 reads the log of a started pod
         while True:
-            body = self._list_pod(kind, ns, name, pod, deadline)
+            body = self._list_pod(kind, ns, name, pod, look, retry=look == deadline)
+            look = deadline
             items = [p for p in body.get("items") or [] if not _of_another_job(p, job)]
             done, found = verdict(items[0] if items else None)
             if done:
