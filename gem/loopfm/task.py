@@ -7,7 +7,8 @@ teacher's max_seq_len events) and logs its user representation into the job's em
 completion marker keyed by (teacher version, hash of spec.data, history window); without a matching
 marker (a log cut short by preemption, one made from another spec.data under the same job name, or
 with another window) the version's rows are dropped and logged again. One data source only
-(data.sources is refused: the memory's key has no source). The memory version is recorded in the manifest the
+(data.sources with several entries is refused: the memory's key has no source; Parquet files must have
+user_id and request_time, its key). The memory version is recorded in the manifest the
 checkpoints carry (annotation MEMORY_VERSION_ANNOTATION), so a reloaded student reads the memory
 it was trained with. The student reads the memory point-in-time in its forward pass, so training,
 evaluation and serving see the same features.
