@@ -61,6 +61,7 @@ HISTORY_LEN_SIGMA = 0.8  # log-normal shape: a long tail of heavy users
 HISTORY_FROM_FAVOURITES = 0.6  # share of history events on the user's favourite campaigns
 CANDIDATE_FROM_FAVOURITES = 0.35  # share of candidates the targeting picks from them
 NUM_DENSE = 2  # log1p(history length), a noisy ad-quality score
+DENSE_HISTORY_LEN, DENSE_AD_QUALITY = 0, 1  # the dense columns, by name
 CLICK_SURFACE_BIAS = np.array([0.0, -0.3, -0.5, -1.0])  # off-site placements are clicked least
 DWELL_SURFACE_BIAS = np.array([0.0, 0.4, 0.6, -0.5])  # full-screen stories/reels hold the eye longest
 CVR_SURFACE_BIAS = np.array([0.0, -0.1, -0.2, -0.4])
@@ -369,7 +370,7 @@ class SyntheticWorld:
         conversion = converts & (delay_s <= spec.attribution_window_hours * 3600.0)
         dwell = draws[3] < p_dwell
         quality_obs = self.ad_quality[ads] + spec.quality_noise * rng.standard_normal(n, f32)
-        dense = np.stack([np.log1p(lengths) - np.log1p(spec.mean_history_len), quality_obs], axis=1)
+        dense = np.stack([np.log1p(lengths) - np.log1p(spec.mean_history_len), quality_obs], axis=1)  # DENSE_* order
 
         return Examples(
             user_id=users,

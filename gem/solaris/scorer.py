@@ -17,15 +17,14 @@ import torch
 from torch import nn
 
 from gem.data.batch import make_batch
-from gem.data.synthetic import Examples
+from gem.data.synthetic import DENSE_AD_QUALITY, Examples
 from gem.loopfm.logging import UserRepresentation
 
-AD_QUALITY = 1  # gem.data.synthetic's dense columns: [log1p(history length), the shown ad's noisy quality score]
 
 
 def mean_ad_quality(context: Examples, num_ads: int) -> np.ndarray:
     """[num_ads] each ad's mean quality score over the context's impressions of it (none: over all)."""
-    q = context.dense[:, AD_QUALITY].astype(np.float64)
+    q = context.dense[:, DENSE_AD_QUALITY].astype(np.float64)
     total = np.bincount(context.ad_id, weights=q, minlength=num_ads)
     count = np.bincount(context.ad_id, minlength=num_ads)
     return np.where(count > 0, total / np.maximum(count, 1), q.mean() if len(q) else 0.0).astype(np.float32)
@@ -51,7 +50,7 @@ class FMScorer:
             # the candidate's quality score, not the shown ad's (a row scored with its own ad keeps its own)
             dense = context.dense[r].copy()
             swapped = context.ad_id[r] != a
-            dense[swapped, AD_QUALITY] = quality[a[swapped]]
+            dense[swapped, DENSE_AD_QUALITY] = quality[a[swapped]]
             batch.dense = torch.from_numpy(dense)
             campaign = self.ad_campaign[a]
             batch.ad_id = torch.from_numpy(a)
