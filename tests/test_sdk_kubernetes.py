@@ -1005,3 +1005,33 @@ def test_logs_with_timeout_zero_read_a_started_pod(client, kubeapi):
     assert r.exit_code == 0 and r.stdout == "hi\n", r.output
     with pytest.raises(WaitTimeoutError, match="timed out waiting for pod default/quick-train-master-0 to start"):
         client.logs(client.submit(manifest("quick")), timeout=0)
+
+
+def test_delete_waits_out_an_api_server_restart(client, kubeapi):
+    # The DELETE was accepted, then the API answered 503 for a moment (a control-plane restart):
+    # `gemctl delete` failed with exit 5 though the job was on its way out. As wait, it waits it out.
+    client.submit(manifest("blip"))
+    _set_finalizers(kubeapi, "blip", [KOPF_FINALIZER])
+    job_get = r"/gemtrainings/blip$"
+    kubeapi.faults.add(method="GET", path=job_get, times=1)  # delete's own read of the job
+    outage = kubeapi.faults.add(method="GET", path=job_get, status=503, times=2,
+                                message="the server is currently unable to handle the request")
+
+    def operator() -> None:
+        while outage.hits < 2:
+            time.sleep(0.02)
+        _set_finalizers(kubeapi, "blip", [])
+
+    threading.Thread(target=operator, daemon=True).start()
+    r = CliRunner().invoke(gemctl_app, ["delete", "gt", "blip", "--timeout", "30", "--kubeconfig",
+                                        str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 0 and 'gemtraining.gem.dev "blip" deleted' in r.output, r.output
+    assert kubeapi.get(API, "GEMTraining", "blip") is None and outage.hits == 2
+
+    # Not every error is an outage: a refusal is no reason to wait.
+    client.submit(manifest("blip"))
+    _set_finalizers(kubeapi, "blip", [KOPF_FINALIZER])
+    kubeapi.faults.add(method="GET", path=job_get, times=1)
+    kubeapi.faults.add(method="GET", path=job_get, status=403, times=1)
+    with pytest.raises(BackendError, match="403 Forbidden"):
+        client.delete("blip", wait=True, timeout=30)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gem.api.types import Condition, Phase
-from gem_sdk._exceptions import GEMError, NotFoundError, WaitTimeoutError, describe
+from gem_sdk._exceptions import BackendError, GEMError, NotFoundError, WaitTimeoutError, describe
 from gem_sdk._objects import finalizers_left, job_of, phase_of, pod_name, resolve_ref
 from gem_sdk._types import (
     FAILED_PHASES,
@@ -308,16 +308,25 @@ class GEMClient:
         except GEMError:  # delete says what is wrong, or removes it all the same (a local job half made)
             uid = None
         self.backend.delete(name, kind=kind, namespace=namespace)
-        pause = 0.05
+        pause, outage_ends = 0.05, None
         while True:
             try:
                 obj = self.get(name, kind=kind, namespace=namespace)
             except NotFoundError:
                 return None
-            if uid is not None and obj.metadata.uid != uid:  # gone, and another of the name submitted meanwhile
-                return None
+            except BackendError as e:
+                # The deletion was accepted: an API server briefly away (a control-plane restart) is
+                # waited out, as by wait, for at most _OUTAGE_S; at the timeout its error goes out.
+                outage_ends = outage_ends or time.monotonic() + _OUTAGE_S
+                if not e.transient or time.monotonic() >= outage_ends or _time_left(deadline) == 0:
+                    raise
+                obj = None
+            else:
+                outage_ends = None
+                if uid is not None and obj.metadata.uid != uid:  # gone, and another of the name submitted meanwhile
+                    return None
             left = _time_left(deadline)
-            if left == 0:
+            if left == 0 and obj is not None:
                 what = describe(obj.kind, obj.metadata.namespace, obj.metadata.name)
                 raise WaitTimeoutError(f"timed out after {timeout:g}s waiting for {what} to be deleted: "
                                        f"{finalizers_left(obj)}", object=obj, kind=obj.kind,
@@ -651,6 +660,10 @@ def _interleave(
         stopped.set()
     if error is not None:
         raise error
+
+
+#: How long `delete(wait=True)` waits out an API server that is away (as the Kubernetes backend's wait).
+_OUTAGE_S = 300.0
 
 
 def _time_left(deadline: float | None, *, raise_when_over: bool = False) -> float | None:

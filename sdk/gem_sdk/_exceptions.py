@@ -138,8 +138,10 @@ class BackendError(GEMError):
 
     Attributes:
         status: The HTTP status of the API's answer, if there was one.
+        transient: The API was briefly away (no connection, 429, 5xx): the same call may work later.
     """
 
-    def __init__(self, message: str, *, status: int | None = None, **ref: Any) -> None:
+    def __init__(self, message: str, *, status: int | None = None, transient: bool = False, **ref: Any) -> None:
         self.status = status
+        self.transient = transient
         super().__init__(message, **ref)

@@ -53,6 +53,7 @@ from gem_sdk._types import (
 from gem_sdk.backends.base import Backend
 from gem_sdk.backends.kubernetes.utils import (
     CONNECTION_ERRORS,
+    TRANSIENT,
     api_error,
     iter_lines,
     make_api_client,
@@ -68,8 +69,6 @@ _RELIST_PAUSE_S = 0.2
 #: How long `wait` keeps re-listing through an unreachable or unavailable API (a control-plane
 #: restart) before it gives up; the pause between tries doubles up to the second value.
 _OUTAGE_S, _OUTAGE_PAUSE_MAX_S = 300.0, 10.0
-#: Answers of an API server that is restarting or overloaded, worth another try.
-_TRANSIENT = frozenset({429, 500, 502, 503, 504})
 #: Objects per list request, as kubectl's --chunk-size: a namespace with thousands of jobs is read
 #: in pages the API server can answer within its request timeout, not in one unbounded answer.
 _LIST_CHUNK = 500
@@ -161,7 +160,7 @@ class KubernetesBackend(Backend):
                 error = e
             else:
                 return self._parsed(answer, verb, kind, ns, name)
-            if isinstance(error, ApiException) and error.status not in _TRANSIENT:
+            if isinstance(error, ApiException) and error.status not in TRANSIENT:
                 raise api_error(error, verb, kind, ns, name) from None
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out()  # the request was cut short by the caller's deadline: its timeout, not an outage
@@ -355,7 +354,7 @@ class KubernetesBackend(Backend):
                         except StopIteration:
                             break  # the server's timeoutSeconds: resume from rv
                         except ApiException as e:
-                            if e.status != 410 and e.status not in _TRANSIENT:
+                            if e.status != 410 and e.status not in TRANSIENT:
                                 raise api_error(e, "watch", kind, ns, name) from None
                             # 410: our resourceVersion is too old; else the API is briefly away.
                             relist = True
@@ -696,7 +695,7 @@ class KubernetesBackend(Backend):
                         if done:
                             return found
             except ApiException as e:
-                if e.status != 410 and e.status not in _TRANSIENT:
+                if e.status != 410 and e.status not in TRANSIENT:
                     raise api_error(e, "watch pods of", kind, ns, name) from None
                 if e.status != 410:  # the API is briefly away: the next list waits it out
                     time.sleep(_RELIST_PAUSE_S)

@@ -79,6 +79,9 @@ def status_message(e: ApiException) -> str:
     return _status_body(e).get("message") or e.reason or ""
 
 
+#: Answers of an API server that is restarting or overloaded, worth another try.
+TRANSIENT = frozenset({429, 500, 502, 503, 504})
+
 #: The RBAC verb and resource (when not the job's own) each `verb` of `api_error` needs.
 _RBAC = {
     "update": ("patch", None),
@@ -98,7 +101,7 @@ def api_error(
     if not isinstance(e, ApiException):
         if isinstance(e, GEMError):
             return e
-        return BackendError(f"failed to {verb} {what}: cannot reach the Kubernetes API: {e}", **ref)
+        return BackendError(f"failed to {verb} {what}: cannot reach the Kubernetes API: {e}", transient=True, **ref)
     body = _status_body(e)
     message = status_message(e)
     reason = body.get("reason") or e.reason or ""
@@ -142,7 +145,8 @@ def api_error(
             hint = (f"; this needs RBAC permission to {rbac_verb} {resource} (check with `kubectl auth can-i "
                     f"{rbac_verb} {resource} {scope}`; a Role or ClusterRole bound to you must grant it)")
         return BackendError(f"failed to {verb} {what}: 403 Forbidden: {message}{hint}", status=403, **ref)
-    return BackendError(f"failed to {verb} {what}: {e.status} {reason}: {message}".rstrip(": "), status=e.status, **ref)
+    return BackendError(f"failed to {verb} {what}: {e.status} {reason}: {message}".rstrip(": "), status=e.status,
+                        transient=e.status in TRANSIENT, **ref)
 
 
 #: Errors of a dropped or unreachable connection (wrapped as BackendError, or retried by watches).
