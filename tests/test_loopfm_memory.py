@@ -129,6 +129,35 @@ def test_embedding_examples_leaves_no_hook_on_the_model():
     assert not fm.norm_out._forward_hooks
 
 
+def test_logging_batches_are_bounded_in_events_not_only_examples(monkeypatch):
+    """The memory log batched 512 examples whatever their histories: a teacher with a long window (base: 4,096
+    events, large: 16,384) held 512 x window x d floats per table on rank 0 (~17 GB each for large), and an
+    OOM-killed rank 0 restarts forever. Batches now hold at most LOG_EVENTS events; the rows are unchanged."""
+    import torch
+
+    from gem.api.types import ModelSpec, SyntheticDataSpec
+    from gem.data.synthetic import SyntheticWorld
+    from gem.loopfm import logging as loopfm_logging
+    from gem.model import build_model
+
+    torch.manual_seed(0)
+    fm = build_model(ModelSpec(preset="tiny", max_seq_len=1024)).eval()
+    ex = SyntheticWorld(SyntheticDataSpec(num_users=20, num_ads=40, mean_history_len=300)).sample(600, split=0)
+    assert np.minimum(ex.seq_lengths, 1024)[:512].sum() > loopfm_logging.LOG_EVENTS  # one 512-example batch would not fit
+    events, make_batch = [], loopfm_logging.make_batch
+
+    def recording(examples, idx, **kw):
+        batch = make_batch(examples, idx, **kw)
+        events.append(int(batch.seq_offsets[-1]))
+        return batch
+
+    monkeypatch.setattr(loopfm_logging, "make_batch", recording)
+    rows, _ = loopfm_logging.embed_examples(fm, ex, kind="history", logits=False)
+    assert max(events) <= loopfm_logging.LOG_EVENTS and sum(events) == np.minimum(ex.seq_lengths, 1024).sum()
+    one_by_one, _ = loopfm_logging.embed_examples(fm, ex, kind="history", logits=False, batch_size=1)
+    assert rows.shape == (600, 32) and np.allclose(rows, one_by_one, atol=1e-6)
+
+
 def test_any_int64_user_id_point_in_time(tmp_path):
     """Hashed user ids are int64 (docs/data.md): negative and 64-bit ids index and look up like small ones."""
     rng = np.random.default_rng(1)

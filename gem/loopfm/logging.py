@@ -37,6 +37,9 @@ from gem.loopfm.memory import EmbeddingMemory
 from gem.model.jagged import segment_ids
 
 LOG_BATCH = 512
+#: History events per logging batch, at most: the FM's [ΣL, d] event tensors grow with its window (512
+#: examples of a large teacher's 16,384 events are ~17 GB per table), so long histories get fewer examples.
+LOG_EVENTS = LOG_BATCH * 64
 
 
 #: sha1 of weights files already read by this process, by (path, device, inode, size, mtime_ns) of the file.
@@ -145,18 +148,29 @@ class UserRepresentation:
 
 
 @torch.no_grad()
+def _batches(examples: Examples, max_seq_len: int, batch_size: int, max_events: int) -> Iterator[np.ndarray]:
+    """Consecutive example indices, at most batch_size examples and max_events kept events (one example at least)."""
+    kept = np.minimum(examples.seq_lengths, max_seq_len)
+    ends = np.concatenate([[0], np.cumsum(kept)])  # ends[i]: events before example i
+    lo = 0
+    while lo < len(examples):
+        fit = int(np.searchsorted(ends, ends[lo] + max_events, side="right")) - 1  # examples [lo, fit) fit
+        hi = max(lo + 1, min(lo + batch_size, fit))
+        yield np.arange(lo, hi)
+        lo = hi
+
+
 def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LOG_BATCH, kind: str = "tokens",
-                   logits: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                   logits: bool = True, max_events: int = LOG_EVENTS) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(user embeddings [N, dim], teacher logits per task [N]) for every example, in example order.
 
     logits=False skips the FM's forward where the representation does not need it ("history"),
-    and returns no logits.
+    and returns no logits. A batch holds at most batch_size examples and max_events history events.
     """
     need_logits = logits or kind == "tokens"
     embs, out_logits = [], {"click": [], "conversion": []}
     with UserRepresentation(model.eval(), kind) as rep:
-        for lo in range(0, len(examples), batch_size):
-            idx = np.arange(lo, min(lo + batch_size, len(examples)))
+        for idx in _batches(examples, model.max_seq_len, batch_size, max_events):
             out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len), logits=need_logits)
             embs.append(emb.numpy())
             if logits:
