@@ -1035,3 +1035,18 @@ def test_delete_waits_out_an_api_server_restart(client, kubeapi):
     kubeapi.faults.add(method="GET", path=job_get, status=403, times=1)
     with pytest.raises(BackendError, match="403 Forbidden"):
         client.delete("blip", wait=True, timeout=30)
+
+
+def test_logs_of_a_job_refused_before_it_ran_say_why(client, kubeapi):
+    # Invalid (or a teacher that failed): the operator made no PyTorchJob, so no pod ever was.
+    # Before: "its pods may have been cleaned up (runPolicy.cleanPodPolicy)", a wrong lead.
+    client.submit(manifest("inv"))
+    detail = "spec.data.path: /no/such/dir does not exist"
+    kubeapi.patch_status(API, "GEMTraining", "inv", {"phase": "Invalid", "message": detail, "conditions": [
+        {"type": "Valid", "status": "False", "reason": "InvalidSpec", "message": detail}]})
+    with pytest.raises(NotFoundError) as info:
+        client.logs("inv", timeout=20)
+    assert str(info.value) == ("pod default/inv-train-master-0 of GEMTraining default/inv does not exist: the job is "
+                               f"Invalid and never ran: InvalidSpec: {detail}")
+    r = CliRunner().invoke(gemctl_app, ["logs", "gt", "inv", "--kubeconfig", str(kubeapi.kubeconfig_path)])
+    assert r.exit_code == 3 and f"never ran: InvalidSpec: {detail}" in r.output, r.output

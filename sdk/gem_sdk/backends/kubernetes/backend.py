@@ -27,6 +27,7 @@ from gem_sdk._objects import (
     check_replica_exists,
     check_suspendable,
     describe_until,
+    failure_of,
     finalizers_left,
     from_wire,
     job_of,
@@ -41,6 +42,7 @@ from gem_sdk._objects import (
     wait_done,
 )
 from gem_sdk._types import (
+    FAILED_PHASES,
     KubernetesBackendConfig,
     MetricPoint,
     ObjectInput,
@@ -658,6 +660,14 @@ class KubernetesBackend(Backend):
                     raise NotFoundError(
                         f"pod {ns}/{pod} of {describe(kind, ns, name)} never started and the job is "
                         f"{phase_of(job)}: it has no log", **ref,
+                    )
+                if phase_of(job) in FAILED_PHASES and not job.status.pytorch_job:
+                    # Refused before the operator made a PyTorchJob (an invalid spec, a teacher that
+                    # failed): no pod ever was; say why, not that one was cleaned up.
+                    reason, message = failure_of(job)
+                    raise NotFoundError(
+                        f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist: the job is {phase_of(job)} "
+                        f"and never ran: {reason}: {message}".rstrip(": "), **ref,
                     )
                 raise NotFoundError(
                     f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist and the job is "
