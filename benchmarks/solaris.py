@@ -74,46 +74,48 @@ def _ne(y: np.ndarray, logit: np.ndarray) -> float:
     return normalized_entropy(y, 1.0 / (1.0 + np.exp(-logit)))
 
 
-def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: float, warmup_days: float,
-           per_user: int, num_segments: int, vertical_steps: int) -> tuple[object, dict, np.ndarray]:
-    from gem.api.types import SyntheticDataSpec
-    from gem.data.synthetic import SyntheticWorld
-    from gem.loopfm.logging import model_version_of
-    from gem.solaris.fallback import TIERS, HierarchicalLookup
-    from gem.solaris.predictor import RequestPredictor
-    from gem.solaris.scorer import FMScorer, kmeans_segments
-    from gem.solaris.service import SolarisService
-    from gem.solaris.store import PrecomputeStore
-    from gem.train.checkpoint import load_model
+def user_segments(scorer, train, num_segments: int) -> dict[int, int]:
+    """Segments: k-means of the FM's user representation at each user's latest train-split impression."""
+    from gem.solaris.scorer import kmeans_segments
 
-    model, _ = load_model(ckpt)
-    world = SyntheticWorld(SyntheticDataSpec.model_validate(data))
-    stream = world.sample(stream_size, split=2)
-    order = np.argsort(stream.request_time, kind="stable")
-    scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
-    # Segments from the FM's user representation on the training split (known before the replay).
-    train = world.sample(data["numTrainExamples"], split=0)
-    last = dict(zip(train.user_id[np.argsort(train.request_time)].tolist(), np.argsort(train.request_time).tolist()))
+    order = np.argsort(train.request_time, kind="stable")
+    last = dict(zip(train.user_id[order].tolist(), order.tolist()))
     users = np.array(sorted(last))
     rows = np.array([last[u] for u in users.tolist()])
     _, embs = scorer.score(train, rows, train.ad_id[rows])
-    seg = dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
+    return dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
+
+
+def replay_service(scorer, world, stream, segments: dict[int, int], *, ttl_s: float, version: str, per_user: int):
+    """The Solaris service the replay drives: empty store, predictor and user states (it observes the stream)."""
+    from gem.solaris.fallback import HierarchicalLookup
+    from gem.solaris.predictor import RequestPredictor
+    from gem.solaris.service import SolarisService
+    from gem.solaris.store import PrecomputeStore
 
     def segment_of(u: int) -> int | None:
-        return seg.get(u)  # as gem.solaris.service: a user the segmentation never saw has no segment
+        return segments.get(u)  # as gem.solaris.service: a user the segmentation never saw has no segment
 
     def campaign_of(a: int) -> int:
         return int(world.ad_campaign[a])
 
-    store = PrecomputeStore(ttl_s=ttl_s, version=model_version_of(ckpt))
+    store = PrecomputeStore(ttl_s=ttl_s, version=version)
     predictor = RequestPredictor(segment_of=segment_of, campaign_of=campaign_of)
     lookup = HierarchicalLookup(store, campaign_of=campaign_of, segment_of=segment_of)
     service = SolarisService(scorer=scorer, context=stream, store=store, predictor=predictor, lookup=lookup,
                              per_user=per_user, active_window_s=2 * DAY)
     service.user_row = {}  # only what the replay has observed so far
+    return service
 
-    t_first = float(stream.request_time[order[0]])
-    measure_from = t_first + warmup_days * DAY
+
+def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dict:
+    """Replay `stream` (sorted by request time) through `service` on a simulated clock: every `tick_s`
+    a precompute round, then the tick's requests are looked up (from `measure_from` on: recorded, and
+    each tier asked alone) and observed. Returns the tier that answered and the value per measured
+    request (`tiers`, `served`), `forced` (tier -> [(measured index, value)]), `rows` (their stream
+    rows), `computed` pairs and `compute_s`."""
+    from gem.solaris.fallback import TIERS
+
     tiers_seen: list[str] = []
     served: list[np.ndarray] = []
     forced: dict[str, list[tuple[int, np.ndarray]]] = {t: [] for t in TIERS}
@@ -121,27 +123,54 @@ def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: flo
     computed = 0
     compute_s = 0.0
     i = 0
-    now = t_first
-    while i < len(order):
+    now = float(stream.request_time[0])
+    while i < len(stream):
         t0 = time.perf_counter()
         computed += service.compute(service.pending_pairs(now), now)
         compute_s += time.perf_counter() - t0
         end = now + tick_s
-        while i < len(order) and stream.request_time[order[i]] < end:
-            r = int(order[i])
-            u, a, t = int(stream.user_id[r]), int(stream.ad_id[r]), float(stream.request_time[r])
+        while i < len(stream) and stream.request_time[i] < end:
+            u, a, t = int(stream.user_id[i]), int(stream.ad_id[i]), float(stream.request_time[i])
             if t >= measure_from:
                 res = service.lookup(u, a, t, observe=False)
                 tiers_seen.append(res.tier)
                 served.append(res.value)
-                measured_rows.append(r)
+                measured_rows.append(i)
                 for tier in TIERS:
-                    f = lookup.lookup(u, a, now=t, tiers=(tier,))
+                    f = service.lookup_.lookup(u, a, now=t, tiers=(tier,))
                     if f is not None:
                         forced[tier].append((len(measured_rows) - 1, f.value))
-            service.observe(u, a, t, row=r)
+            service.observe(u, a, t, row=i)
             i += 1
         now = end
+    return {"tiers": tiers_seen, "served": served, "forced": forced, "rows": np.array(measured_rows, np.int64),
+            "computed": computed, "compute_s": compute_s}
+
+
+def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: float, warmup_days: float,
+           per_user: int, num_segments: int, vertical_steps: int) -> tuple[object, dict, np.ndarray]:
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.parquet import slice_examples
+    from gem.data.synthetic import SyntheticWorld
+    from gem.loopfm.logging import model_version_of
+    from gem.solaris.fallback import TIERS
+    from gem.solaris.scorer import FMScorer
+    from gem.train.checkpoint import load_model
+
+    model, _ = load_model(ckpt)
+    world = SyntheticWorld(SyntheticDataSpec.model_validate(data))
+    stream = world.sample(stream_size, split=2)
+    stream = slice_examples(stream, np.argsort(stream.request_time, kind="stable"))  # in request-time order
+    train = world.sample(data["numTrainExamples"], split=0)
+    scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
+    segments = user_segments(scorer, train, num_segments)  # from the FM on the training split
+    service = replay_service(scorer, world, stream, segments, ttl_s=ttl_s, version=model_version_of(ckpt),
+                             per_user=per_user)
+    store = service.store
+    measure_from = float(stream.request_time[0]) + warmup_days * DAY
+    run = replay_stream(service, stream, tick_s=tick_s, measure_from=measure_from)
+    tiers_seen, served, forced, measured_rows = run["tiers"], run["served"], run["forced"], run["rows"]
+    computed, compute_s = run["computed"], run["compute_s"]
 
     rows_m = np.array(measured_rows)
     live, _ = scorer.score(stream, rows_m, stream.ad_id[rows_m])  # the FM on the exact request: the reference
