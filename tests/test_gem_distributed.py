@@ -1,10 +1,12 @@
 """`gem train` under torchrun: 1 node x 2 processes with ZeRO-1, and 2 nodes x 1 process (the pod
 layout the operator creates, via PET_* env and a static rendezvous on 127.0.0.1) with ZeRO-3,
-killed mid-run and resumed. Both must end with the same weights: same data, same math.
+killed mid-run and resumed past a newest checkpoint one rank cannot read. Both must end with the
+same weights: same data, same math.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,19 +53,29 @@ def base_env(**extra):
 
 
 def torchrun(args, env):
+    # its own process group: a hung run is killed whole (workers included), not left running
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run_two_nodes(config, tmp_path, **extra):
-    """Two torchrun agents, one per simulated pod, as the Kubeflow training operator starts them."""
+    """Two torchrun agents, one per simulated pod, as the Kubeflow training operator starts them.
+    Still going after TIMEOUT_S is a hang (a rank waiting in a collective the other never entered)."""
     port = free_port()
     procs = [torchrun(["-m", "gem", "train", "--config", str(config)],
                       base_env(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(r),
                                PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port),
                                GEM_TERMINATION_MESSAGE_PATH=str(tmp_path / f"termination-node{r}"), **extra))
              for r in range(2)]
-    outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"hung: no exit {TIMEOUT_S}s after start\n" +
+                    "\n".join(f"--- node {r}\n{o[-3000:]}" for r, o in enumerate(outs)))
     return [p.returncode for p in procs], outs
 
 
@@ -89,7 +101,12 @@ def test_two_processes_zero1(zero1):
     assert sorted(p.name for p in (final / "rng").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
 
 
-def test_two_nodes_zero3_resumes_and_matches_zero1(zero1, tmp_path):
+def test_two_nodes_zero3_resumes_past_a_checkpoint_one_rank_cannot_read_and_matches_zero1(zero1, tmp_path):
+    """Killed after step 20, then rank 1's ZeRO partition of step 20 truncated: the resume must send
+    *every* rank back to step 10, never leave the others in one of DeepSpeed's collectives (ZeRO-3's
+    load gathers the persistent parameters after each rank read its own partition). Without the
+    check before DeepSpeed's load (gem.train.checkpoint.unreadable), rank 0 reaches that all-gather
+    while rank 1 reports its error: gloo aborts the job on the mismatched collective, NCCL would hang."""
     config = manifest(tmp_path, "zero-three", zero_stage=3)
     codes, outs = run_two_nodes(config, tmp_path, GEM_FAULT_AT_STEP="20")
     assert codes[0] != 0 and codes[1] != 0
@@ -97,10 +114,15 @@ def test_two_nodes_zero3_resumes_and_matches_zero1(zero1, tmp_path):
     assert first["error"].startswith("RuntimeError: fault injected after step 20")
     job = tmp_path / "ckpt/team-a/zero-three"
     assert checkpoint.latest_complete(job) == job / "step-00000020"
+    assert (job / "step-00000010" / "COMPLETE").is_file()
+    # rank 1's ZeRO partition, read inside DeepSpeed's load; rank 0 never opens it
+    victim = job / "step-00000020" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated: a torch file that no longer loads
 
     codes, outs = run_two_nodes(config, tmp_path)
     assert codes == [0, 0], outs[0][-4000:]
-    assert "resumed from" in outs[0] and "at step 20" in outs[0]
+    assert "step-00000020 does not load" in outs[0] and victim.name in outs[0], outs[0][-4000:]
+    assert "resumed from" in outs[0] and "at step 10" in outs[0], outs[0][-4000:]
     report = json.loads((tmp_path / "termination-node0").read_text())
     assert report["step"] == 30
     # Only global rank 0 reports success; node 1's file still holds its earlier error.
