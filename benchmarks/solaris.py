@@ -114,6 +114,7 @@ def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dic
     each tier asked alone) and observed. Returns the tier that answered and the value per measured
     request (`tiers`, `served`), `forced` (tier -> [(measured index, value)]), `rows` (their stream
     rows), `computed` pairs and `compute_s`."""
+    from gem.data.parquet import slice_examples
     from gem.solaris.fallback import TIERS
 
     tiers_seen: list[str] = []
@@ -126,6 +127,10 @@ def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dic
     now = float(stream.request_time[0])
     while i < len(stream):
         t0 = time.perf_counter()
+        # Point-in-time: the scorer reads the impressions replayed so far (candidate ads' mean quality
+        # scores), not the whole stream, whose later impressions are the future of this round.
+        # The stream is in time order, so the user states (rows < i) index the prefix unchanged.
+        service.context = slice_examples(stream, np.arange(i))
         computed += service.compute(service.pending_pairs(now), now)
         compute_s += time.perf_counter() - t0
         end = now + tick_s
@@ -143,6 +148,7 @@ def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dic
             service.observe(u, a, t, row=i)
             i += 1
         now = end
+    service.context = stream  # all replayed now
     return {"tiers": tiers_seen, "served": served, "forced": forced, "rows": np.array(measured_rows, np.int64),
             "computed": computed, "compute_s": compute_s}
 
