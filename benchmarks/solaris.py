@@ -74,11 +74,14 @@ def _ne(y: np.ndarray, logit: np.ndarray) -> float:
     return normalized_entropy(y, 1.0 / (1.0 + np.exp(-logit)))
 
 
-def user_segments(scorer, train, num_segments: int) -> dict[int, int]:
-    """Segments: k-means of the FM's user representation at each user's latest train-split impression."""
+def user_segments(scorer, train, num_segments: int, *, until: float) -> dict[int, int]:
+    """Segments: k-means of the FM's user representation at each user's latest train-split impression
+    before `until`. The train split spans the replay's month, so a later impression is a user state from
+    the future of the requests measured after `until`; a user with none before it has no segment."""
     from gem.solaris.scorer import kmeans_segments
 
-    order = np.argsort(train.request_time, kind="stable")
+    known = np.flatnonzero(train.request_time < until)
+    order = known[np.argsort(train.request_time[known], kind="stable")]
     last = dict(zip(train.user_id[order].tolist(), order.tolist()))
     users = np.array(sorted(last))
     rows = np.array([last[u] for u in users.tolist()])
@@ -169,11 +172,12 @@ def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: flo
     stream = slice_examples(stream, np.argsort(stream.request_time, kind="stable"))  # in request-time order
     train = world.sample(data["numTrainExamples"], split=0)
     scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
-    segments = user_segments(scorer, train, num_segments)  # from the FM on the training split
+    measure_from = float(stream.request_time[0]) + warmup_days * DAY
+    # from the FM on the training split as known when measuring starts
+    segments = user_segments(scorer, train, num_segments, until=measure_from)
     service = replay_service(scorer, world, stream, segments, ttl_s=ttl_s, version=model_version_of(ckpt),
                              per_user=per_user)
     store = service.store
-    measure_from = float(stream.request_time[0]) + warmup_days * DAY
     run = replay_stream(service, stream, tick_s=tick_s, measure_from=measure_from)
     tiers_seen, served, forced, measured_rows = run["tiers"], run["served"], run["forced"], run["rows"]
     computed, compute_s = run["computed"], run["compute_s"]

@@ -70,6 +70,18 @@ def test_a_future_impression_does_not_change_a_value_precomputed_before_it(tiny)
     assert not np.array_equal(np.stack(a["served"])[~before], np.stack(b["served"])[~before])
 
 
+def test_segments_are_learnt_from_user_states_before_the_measured_requests(tiny):
+    """Segments came from each user's latest train-split impression, and the train split spans the replay's
+    month: the segment of a user measured on day 6 was their state of day 30. Now only states before `until`."""
+    _, scorer, stream, train = tiny
+    until = float(stream.request_time[0]) + 5 * DAY
+    past = slice_examples(train, np.flatnonzero(train.request_time < until))
+    assert len(past) < len(train)
+    segments = solaris.user_segments(scorer, train, 4, until=until)
+    assert segments == solaris.user_segments(scorer, past, 4, until=until)  # later impressions change nothing
+    assert set(segments) == set(past.user_id.tolist())  # a user first seen after `until` has no segment
+
+
 def test_solaris_benchmark_smoke(tmp_path):
     out = tmp_path / "solaris.json"
     argv = ["--quick", "--fm-steps", "10", "--vertical-steps", "10", "--stream", "2000", "--requests", "40",
