@@ -429,6 +429,9 @@ def test_a_registered_model_teacher_has_the_same_version_in_every_process(tmp_pa
 
     first, second = resolve_teacher(manifest.spec, "local"), resolve_teacher(manifest.spec, "local")  # two ranks
     assert first != second and model_version_of(first) == model_version_of(second)
+    run_uri = parse_object({**wire, "spec": {**wire["spec"], "teacher": {
+        "mlflowModelUri": f"runs:/{run.info.run_id}/checkpoint"}}}).spec  # the run's artifacts: the same teacher
+    assert model_version_of(resolve_teacher(run_uri, "local")) == model_version_of(first)
 
     # a restarted pod: its checkpoints record the first download, which lived on the old pod only
     ckpt = tmp_path / "ckpt" / "local" / "lf" / "step-00000001"
