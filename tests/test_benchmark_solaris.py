@@ -3,6 +3,7 @@ HTTP and library latency, JSON and plot; and the replay's point-in-time guarante
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -36,15 +37,21 @@ def tiny():
     return world, scorer, stream, world.sample(600, split=0)
 
 
-def run_replay(tiny, stream, segments=None):
+@pytest.fixture(scope="module")
+def replayed(tiny):
+    """The tiny stream replayed once: (service, run)."""
+    return run_replay(tiny, tiny[2])
+
+
+def run_replay(tiny, stream):
     world, scorer, _, _ = tiny
-    service = solaris.replay_service(scorer, world, stream, segments or {}, ttl_s=2 * DAY, version="v",
+    service = solaris.replay_service(scorer, world, stream, {}, ttl_s=2 * DAY, version="v",
                                      per_user=4)
     run = solaris.replay_stream(service, stream, tick_s=12 * 3600.0, measure_from=float(stream.request_time[0]))
     return service, run
 
 
-def test_a_future_impression_does_not_change_a_value_precomputed_before_it(tiny):
+def test_a_future_impression_does_not_change_a_value_precomputed_before_it(tiny, replayed):
     """The scorer's context was the whole replayed stream, so a candidate ad's mean quality score (its dense
     feature) averaged impressions from the future of the precompute round. Now it is what was replayed so far."""
     _, _, stream, _ = tiny
@@ -54,7 +61,7 @@ def test_a_future_impression_does_not_change_a_value_precomputed_before_it(tiny)
     dense[future, DENSE_AD_QUALITY] += 3.0  # every ad looks much better after t_cut
     changed = dataclasses.replace(stream, dense=dense)
 
-    _, a = run_replay(tiny, stream)
+    _, a = replayed
     _, b = run_replay(tiny, changed)
     before = stream.request_time[a["rows"]] < t_cut
     tiers = np.array(a["tiers"])
@@ -80,6 +87,28 @@ def test_segments_are_learnt_from_user_states_before_the_measured_requests(tiny)
     segments = solaris.user_segments(scorer, train, 4, until=until)
     assert segments == solaris.user_segments(scorer, past, 4, until=until)  # later impressions change nothing
     assert set(segments) == set(past.user_id.tolist())  # a user first seen after `until` has no segment
+
+
+def test_no_precompute_round_scores_pairs_while_lookups_are_timed(tiny, replayed):
+    """The HTTP load test started the app, whose first precompute round at once scored the pairs the replay left
+    pending, in a worker thread beside the timed lookups (the p50/p99 measured the FM too)."""
+    _, _, stream, _ = tiny
+    service, run = replayed
+    end = float(stream.request_time.max())
+    service.clock, service.interval_s = (lambda: end), 3600.0  # as main(): one round, at start
+    assert service.pending_pairs(end)  # the replay leaves pairs to score
+    pending_at_round = []
+    round_ = service.precompute_once
+
+    async def spy(now=None):
+        pending_at_round.append(len(service.pending_pairs(end)))
+        return await round_(now)
+
+    service.precompute_once = spy
+    pairs = [(int(stream.user_id[r]), int(stream.ad_id[r])) for r in run["rows"][:100]]
+    result = asyncio.run(solaris.http_load(service, pairs, 4))
+    assert result["requests"] == sum(result["tiers"].values()) == 100
+    assert pending_at_round and pending_at_round[0] == 0
 
 
 def test_solaris_benchmark_smoke(tmp_path):
