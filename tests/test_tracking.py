@@ -146,3 +146,82 @@ def test_jobs_opening_a_fresh_sqlite_store_at_once_all_succeed(tmp_path):
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-600:] for _, err in results]
     assert [out.strip() for out, _ in results] == ["Default"] * 3
+
+
+def _tracked(uri, *, every_steps=100, register=False):
+    from gem.api import parse_object
+
+    return parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "t"},
+                         "spec": {"checkpoint": {"everySteps": every_steps},
+                                  "mlflow": {"trackingUri": uri, "experiment": "t", "registerModel": register}}})
+
+
+def test_steps_up_to_a_checkpoint_are_in_mlflow_when_the_job_is_killed(tmp_path):
+    """Step metrics were written every 20 steps only: a job killed (SIGKILL, or Kubernetes' SIGTERM,
+    which the trainer does not catch) after its step-30 checkpoint had steps 21-30 in its buffer, and
+    the resumed job trains from step 31, so MLflow never had them. A checkpoint step flushes now."""
+    from mlflow.tracking import MlflowClient
+
+    from gem.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri, every_steps=30), active=True)
+    t.start()
+    for step in range(1, 36):  # the trainer saves step 30's checkpoint; killed at step 35
+        t.log_step(step, {"train/loss": 1.0 / step, "train/lr": 0.1})
+    resumed = Tracker(_tracked(uri, every_steps=30), active=True)  # the killed one never flushed again
+    resumed.start(resume_run_id=t.run_id)
+    for step in range(31, 41):
+        resumed.log_step(step, {"train/loss": 1.0 / step, "train/lr": 0.1})
+    resumed.end()
+    steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(t.run_id, "train/loss")})
+    assert steps == list(range(1, 41))
+
+
+def test_a_resumed_job_whose_run_was_deleted_starts_a_new_run(tmp_path, caplog):
+    """A run deleted in the UI (lifecycle stage `deleted`) is still returned by get_run, and reopening
+    it failed ('must be in the active state'): every restart of the job failed the same way (exit 1)."""
+    from mlflow.tracking import MlflowClient
+
+    from gem.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri), active=True)
+    t.start()
+    t.log_step(1, {"train/loss": 1.0})
+    t.end("FAILED")
+    client = MlflowClient(uri)
+    client.delete_run(t.run_id)
+    resumed = Tracker(_tracked(uri), active=True)
+    resumed.start(resume_run_id=t.run_id)
+    resumed.log_metrics(2, {"ne": 0.9})
+    resumed.end()
+    assert resumed.run_id != t.run_id and f"run {t.run_id} of the checkpoint was deleted" in caplog.text
+    run = client.get_run(resumed.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["ne"] == 0.9
+    assert client.get_run(t.run_id).info.lifecycle_stage == "deleted"
+
+
+def test_registering_the_same_run_again_reuses_its_version(tmp_path):
+    """A job killed after it registered its final checkpoint (while it wrote its report or exited)
+    resumes at the last step and finishes again: that registered a second version of the same
+    checkpoint, which became models:/<name>/latest. The run's version is returned again now."""
+    from mlflow.tracking import MlflowClient
+
+    from gem.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri, register=True), active=True)
+    t.start()
+    assert t.register_model() == "t/1"
+    t.end()
+    other = Tracker(_tracked(uri, register=True), active=True)  # another run of the same model
+    other.start()
+    assert other.register_model() == "t/2"
+    other.end()
+    again = Tracker(_tracked(uri, register=True), active=True)
+    again.start(resume_run_id=t.run_id)
+    assert again.register_model() == "t/1"
+    again.end()
+    versions = MlflowClient(uri).search_model_versions("name='t'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]

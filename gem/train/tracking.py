@@ -5,15 +5,16 @@
   is refused before training (a SpecError: exit 2): our metric names do not fit in one.
 - One run per training from step 0: tagged gem.dev/{name,namespace,uid,kind}. A job resumed from
   a checkpoint continues the run that checkpoint recorded (trainer_state.json's mlflowRunId);
-  a fresh start always creates a new run, even if an earlier run carries the same uid tag.
+  a fresh start always creates a new run, even if an earlier run carries the same uid tag (as does a
+  resume whose run is missing from the store or deleted).
 - Tracking URIs are logged and reported without credentials (user:pass@ is stripped).
 - A SQLite store is opened under a file lock (open_client): concurrent first opens corrupt it.
 - Params: the resolved spec, flattened (`training.learningRate`, ...), logged once.
-- Metrics: per-step loss and lr (buffered, written in batches), eval metrics.
+- Metrics: per-step loss and lr (buffered, written in batches and at each checkpoint step), eval metrics.
 - Artifacts: the resolved manifest (gem.yaml) and the final checkpoint's model.pt + gem.yaml
   under checkpoint/; the eval report (eval/eval_report.json, .png).
 - Model registry: the final checkpoint registered as a new version of a registered model
-  (register_model).
+  (register_model), once per run.
 """
 
 from __future__ import annotations
@@ -212,6 +213,10 @@ class Tracker:
             log.warning("mlflow: run %s of the checkpoint is not in %s (%s): starting a new run",
                         run_id, redact_uri(self.tracking_uri), e.error_code)
             return False
+        if run.info.lifecycle_stage != "active":  # deleted (in the UI): get_run has it, logging to it fails
+            log.warning("mlflow: run %s of the checkpoint was deleted from %s: starting a new run",
+                        run_id, redact_uri(self.tracking_uri))
+            return False
         self.run_id, self.experiment_id = run_id, run.info.experiment_id
         self._client.update_run(self.run_id, status="RUNNING")
         log.info("mlflow: continuing run %s (experiment %s)", self.run_id, self.experiment_id)
@@ -251,7 +256,9 @@ class Tracker:
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items())
-        if len(self._buffer) >= FLUSH_EVERY * len(metrics):
+        # A checkpoint step is saved right after it is logged, and a killed job (SIGKILL, or the SIGTERM
+        # of a preempted pod) resumes after it: steps up to it would never be logged again.
+        if len(self._buffer) >= FLUSH_EVERY * len(metrics) or step % self.manifest.spec.checkpoint.every_steps == 0:
             self.flush()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -295,6 +302,9 @@ class Tracker:
                 if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
                     raise
             source = f"{self._client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/checkpoint"
+            registered = self._registered_version(name, source)
+            if registered is not None:
+                return registered
             mv = self._client.create_model_version(name, source=source, run_id=self.run_id,
                                                    tags={"gem.dev/uid": job_uid(self.manifest),
                                                          "gem.dev/kind": self.manifest.kind})
@@ -304,6 +314,20 @@ class Tracker:
         except Exception as e:  # registry is optional: a finished run must not fail here
             log.warning("mlflow: model not registered as %r: %s: %s", name, type(e).__name__, e)
             return None
+
+    def _registered_version(self, name: str, source: str) -> str | None:
+        """"name/version" if this run's checkpoint is a version of `name` already: a job killed after it
+        registered resumes at its last step and finishes again, which must not add a second version."""
+        try:
+            versions = self._client.search_model_versions(f"run_id='{self.run_id}'")
+        except Exception as e:  # a registry that cannot search by run: register as before
+            log.warning("mlflow: cannot look up the versions of run %s: %s", self.run_id, e)
+            return None
+        for mv in versions:
+            if mv.name == name and mv.source == source:
+                log.info("mlflow: run %s is registered as %s version %s already", self.run_id, name, mv.version)
+                return f"{name}/{mv.version}"
+        return None
 
     # ------------------------------------------------------------------ report fields
 
