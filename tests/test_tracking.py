@@ -225,3 +225,36 @@ def test_registering_the_same_run_again_reuses_its_version(tmp_path):
     again.end()
     versions = MlflowClient(uri).search_model_versions("name='t'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
+
+
+def test_a_source_named_like_a_task_keeps_its_own_mlflow_metric(tmp_path):
+    """`ne@<source>` is logged as `ne/<source>`: a source named `click` (a valid source name) logged its
+    headline NE as `ne/click`, the click NE of the evaluated sources, two values at the same step."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from gem.eval.evaluate import evaluate_sources
+    from gem.train.tracking import Tracker, mlflow_metric_name
+
+    rng = np.random.default_rng(0)
+
+    def predictions(n):
+        cols = {t: (rng.random(n) < 0.4).astype(np.float32) for t in ("click", "conversion", "dwell")}
+        cols.update({f"pred_{t}": rng.random(n).astype(np.float32) for t in ("click", "conversion", "dwell")})
+        cols.update({f"p_{t}": rng.random(n) for t in ("click", "conversion", "dwell")})
+        return cols | {"surface": rng.integers(0, 4, n), "objective": rng.integers(0, 2, n)}
+
+    ev = evaluate_sources({"click": [predictions(200)], "web": [predictions(300)]}, ["click", "web"],
+                          by_surface=True)
+    keys = {**ev.metrics, **ev.surface_metrics}
+    names = [mlflow_metric_name(k) for k in keys]
+    assert len(set(names)) == len(names)
+    assert mlflow_metric_name("ne@web") == "ne/web" and mlflow_metric_name("ne/click@click") == "ne/click/click"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri), active=True)
+    t.start()
+    t.log_metrics(10, keys)
+    t.end()
+    client = MlflowClient(uri)
+    assert [m.value for m in client.get_metric_history(t.run_id, "ne/click")] == [pytest.approx(keys["ne/click"])]
+    assert client.get_run(t.run_id).data.metrics[mlflow_metric_name("ne@click")] == pytest.approx(keys["ne@click"])

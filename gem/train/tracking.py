@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gem.api.types import is_file_store
+from gem.eval.evaluate import FUNNEL
 
 log = logging.getLogger("gem.train")
 
@@ -42,9 +43,13 @@ def mlflow_metric_name(key: str) -> str:
     """Our metric keys in MLflow's alphabet: `ne/click@feed` -> `ne/click/feed`, `a=b` -> `a_b`.
 
     MLflow names allow only letters, digits, _ - . / space and colon; the status and JSON reports
-    keep the original keys.
+    keep the original keys. A source named like a task has its headline keys (`ne@click`, `loss@click`)
+    as `ne/source_click`, ...: `ne/click` is that task's NE.
     """
-    return _NOT_IN_MLFLOW_NAMES.sub("_", key.replace("@", "/"))
+    base, at, source = key.partition("@")
+    if at and "/" not in base and source in FUNNEL:
+        source = f"source_{source}"
+    return _NOT_IN_MLFLOW_NAMES.sub("_", f"{base}/{source}" if at else key)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
