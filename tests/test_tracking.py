@@ -148,11 +148,11 @@ def test_jobs_opening_a_fresh_sqlite_store_at_once_all_succeed(tmp_path):
     assert [out.strip() for out, _ in results] == ["Default"] * 3
 
 
-def _tracked(uri, *, every_steps=100, register=False):
+def _tracked(uri, *, every_steps=100, steps=1000, register=False):
     from gem.api import parse_object
 
     return parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "t"},
-                         "spec": {"checkpoint": {"everySteps": every_steps},
+                         "spec": {"checkpoint": {"everySteps": every_steps}, "training": {"steps": steps},
                                   "mlflow": {"trackingUri": uri, "experiment": "t", "registerModel": register}}})
 
 
@@ -176,6 +176,27 @@ def test_steps_up_to_a_checkpoint_are_in_mlflow_when_the_job_is_killed(tmp_path)
     resumed.end()
     steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(t.run_id, "train/loss")})
     assert steps == list(range(1, 41))
+
+
+def test_every_step_is_in_mlflow_when_the_job_is_killed_in_its_final_evaluation(tmp_path):
+    """The last step is checkpointed before the final evaluation (minutes on a large eval split): a job
+    preempted there resumes at the last step and trains nothing, so its buffered steps were lost."""
+    from mlflow.tracking import MlflowClient
+
+    from gem.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri, every_steps=30, steps=45), active=True)
+    t.start()
+    for step in range(1, 46):
+        t.log_step(step, {"train/loss": 1.0 / step, "train/lr": 0.1})
+    # killed in the final evaluation; the resumed job evaluates step 45's checkpoint and ends
+    resumed = Tracker(_tracked(uri, every_steps=30, steps=45), active=True)
+    resumed.start(resume_run_id=t.run_id)
+    resumed.log_metrics(45, {"ne": 0.9})
+    resumed.end()
+    steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(t.run_id, "train/loss")})
+    assert steps == list(range(1, 46))
 
 
 def test_a_resumed_job_whose_run_was_deleted_starts_a_new_run(tmp_path, caplog):

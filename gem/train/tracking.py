@@ -261,10 +261,15 @@ class Tracker:
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items())
-        # A checkpoint step is saved right after it is logged, and a killed job (SIGKILL, or the SIGTERM
-        # of a preempted pod) resumes after it: steps up to it would never be logged again.
-        if len(self._buffer) >= FLUSH_EVERY * len(metrics) or step % self.manifest.spec.checkpoint.every_steps == 0:
+        if len(self._buffer) >= FLUSH_EVERY * len(metrics) or self._checkpointed(step):
             self.flush()
+
+    def _checkpointed(self, step: int) -> bool:
+        """Whether the trainer saves a checkpoint right after logging `step` (every checkpoint.everySteps
+        and the last step, before the final evaluation): a job killed after it (SIGKILL, a preempted
+        pod's SIGTERM) resumes after it, so the steps up to it must be in MLflow by then."""
+        spec = self.manifest.spec
+        return step % spec.checkpoint.every_steps == 0 or step == spec.training.steps
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.log_step(step, {k: v for k, v in metrics.items() if v == v})  # NaN is not loggable
