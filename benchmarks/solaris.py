@@ -10,6 +10,9 @@
    tier that answered is recorded) and observed (they feed the predictor). The first
    `warmup_days` are not measured. For every measured request each tier is also asked alone
    (lookup restricted to it), and the FM is run live on the exact request (the "exact pair").
+   Point-in-time: a round scores with the impressions replayed before it (user states, and the
+   candidate ads' mean quality scores), and segments are learnt from the train split's
+   impressions before the first measured request (the train split spans the same month).
 3. The vertical model: a LoopFM student (the transfer benchmark's, reading the FM's embedding
    memory of the train and replayed impressions point-in-time) trained on the train split. Per
    tier it consumes the Solaris value through gem.solaris.vertical.TierBlend (its own logit and
@@ -17,7 +20,9 @@
    answer and scored on the second half, against the same model fed the exact pair: the NE
    cost of each fallback. (`ne_by_tier_raw_fm_value`: the raw FM value served as the prediction.)
 4. Lookup latency under concurrent load: the aiohttp service on 127.0.0.1, `--requests` GETs with
-   `--concurrency` in flight (client-side p50/p99), and the in-process library lookup.
+   `--concurrency` in flight (client-side p50/p99; pending pairs are scored before the app starts,
+   so its first precompute round does not run beside the timed lookups), and the in-process
+   library lookup.
 
 Writes benchmarks/results/solaris.json and solaris.png.
 """
@@ -120,6 +125,9 @@ def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dic
     from gem.data.parquet import slice_examples
     from gem.solaris.fallback import TIERS
 
+    if np.any(np.diff(stream.request_time) < 0):  # the point-in-time prefixes below rely on it
+        raise ValueError("replay_stream: stream is not in request-time order; pass "
+                         "slice_examples(stream, np.argsort(stream.request_time, kind='stable'))")
     tiers_seen: list[str] = []
     served: list[np.ndarray] = []
     forced: dict[str, list[tuple[int, np.ndarray]]] = {t: [] for t in TIERS}
@@ -129,11 +137,11 @@ def replay_stream(service, stream, *, tick_s: float, measure_from: float) -> dic
     i = 0
     now = float(stream.request_time[0])
     while i < len(stream):
-        t0 = time.perf_counter()
         # Point-in-time: the scorer reads the impressions replayed so far (candidate ads' mean quality
         # scores), not the whole stream, whose later impressions are the future of this round.
         # The stream is in time order, so the user states (rows < i) index the prefix unchanged.
         service.context = slice_examples(stream, np.arange(i))
+        t0 = time.perf_counter()  # precompute_examples_per_s: the round, not the copy
         computed += service.compute(service.pending_pairs(now), now)
         compute_s += time.perf_counter() - t0
         end = now + tick_s
