@@ -279,3 +279,20 @@ def test_a_source_named_like_a_task_keeps_its_own_mlflow_metric(tmp_path):
     client = MlflowClient(uri)
     assert [m.value for m in client.get_metric_history(t.run_id, "ne/click")] == [pytest.approx(keys["ne/click"])]
     assert client.get_run(t.run_id).data.metrics[mlflow_metric_name("ne@click")] == pytest.approx(keys["ne@click"])
+
+
+def test_an_experiment_deleted_in_mlflow_is_a_config_error(tmp_path, capsys):
+    """A deleted experiment keeps its name (until purged), and creating a run in it failed with
+    MLflow's 'must be in the active state' (exit 1, every job of the experiment, every restart):
+    exit 2 now, naming spec.mlflow.experiment and how to restore or purge it."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("fs")
+    client.delete_experiment(experiment)
+    path = manifest(tmp_path, {"trackingUri": uri})
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.mlflow.experiment" in err and f"mlflow experiments restore --experiment-id {experiment}" in err
+    assert "Traceback" not in err

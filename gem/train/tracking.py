@@ -198,6 +198,15 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None and experiment.lifecycle_stage != "active":
+            # its name stays taken until it is purged, and no run can be created or continued in it
+            from gem.data.errors import SpecError
+
+            eid = experiment.experiment_id
+            raise SpecError(f"spec.mlflow.experiment: the experiment {name!r} was deleted in MLflow "
+                            f"({redact_uri(self.tracking_uri)}): restore it (mlflow experiments restore "
+                            f"--experiment-id {eid}), delete it for good (mlflow gc --experiment-ids {eid}), "
+                            "or set another spec.mlflow.experiment")
         if experiment is not None:
             return experiment.experiment_id
         try:
