@@ -231,21 +231,35 @@ def test_registering_the_same_run_again_reuses_its_version(tmp_path):
 
     from gem.train.tracking import Tracker
 
+    def step(n):
+        ckpt = tmp_path / f"step-{n:08d}"
+        ckpt.mkdir(exist_ok=True)
+        _file(ckpt / "model.pt"), _file(ckpt / "gem.yaml")
+        return ckpt
+
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     t = Tracker(_tracked(uri, register=True), active=True)
     t.start()
+    t.log_checkpoint(step(100))
     assert t.register_model() == "t/1"
     t.end()
     other = Tracker(_tracked(uri, register=True), active=True)  # another run of the same model
     other.start()
+    other.log_checkpoint(step(100))
     assert other.register_model() == "t/2"
     other.end()
-    again = Tracker(_tracked(uri, register=True), active=True)
+    again = Tracker(_tracked(uri, register=True), active=True)  # the first job, killed after registering
     again.start(resume_run_id=t.run_id)
+    again.log_checkpoint(step(100))
     assert again.register_model() == "t/1"
     again.end()
+    further = Tracker(_tracked(uri, register=True), active=True)  # training.steps raised: a new model
+    further.start(resume_run_id=t.run_id)
+    further.log_checkpoint(step(200))
+    assert further.register_model() == "t/3"
+    further.end()
     versions = MlflowClient(uri).search_model_versions("name='t'")
-    assert sorted(int(v.version) for v in versions) == [1, 2]
+    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
 
 
 def test_a_source_named_like_a_task_keeps_its_own_mlflow_metric(tmp_path):

@@ -174,6 +174,7 @@ class Tracker:
         self.tracking_uri: str | None = None
         self._buffer: list[Any] = []
         self._client: Any = None
+        self._checkpoint: str | None = None  # the step directory log_checkpoint logged (step-NNNNNNNN)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -296,6 +297,7 @@ class Tracker:
             return
         for name in ("model.pt", "gem.yaml"):
             self._client.log_artifact(self.run_id, str(ckpt / name), artifact_path="checkpoint")
+        self._checkpoint = ckpt.name
 
     def log_artifacts(self, paths: list[Path], artifact_path: str) -> None:
         if self.active:
@@ -326,7 +328,8 @@ class Tracker:
                 return registered
             mv = self._client.create_model_version(name, source=source, run_id=self.run_id,
                                                    tags={"gem.dev/uid": job_uid(self.manifest),
-                                                         "gem.dev/kind": self.manifest.kind})
+                                                         "gem.dev/kind": self.manifest.kind,
+                                                         "gem.dev/checkpoint": self._checkpoint or ""})
             self._client.set_tag(self.run_id, "gem.dev/registeredModel", f"{name}/{mv.version}")
             log.info("mlflow: registered model %s version %s (%s)", name, mv.version, source)
             return f"{name}/{mv.version}"
@@ -336,14 +339,17 @@ class Tracker:
 
     def _registered_version(self, name: str, source: str) -> str | None:
         """"name/version" if this run's checkpoint is a version of `name` already: a job killed after it
-        registered resumes at its last step and finishes again, which must not add a second version."""
+        registered resumes at its last step and finishes again, which must not add a second version
+        (one trained further, to a later step, is a new version)."""
+        if not self._checkpoint:
+            return None
         try:
             versions = self._client.search_model_versions(f"run_id='{self.run_id}'")
         except Exception as e:  # a registry that cannot search by run: register as before
             log.warning("mlflow: cannot look up the versions of run %s: %s", self.run_id, e)
             return None
         for mv in versions:
-            if mv.name == name and mv.source == source:
+            if mv.name == name and mv.source == source and mv.tags.get("gem.dev/checkpoint") == self._checkpoint:
                 log.info("mlflow: run %s is registered as %s version %s already", self.run_id, name, mv.version)
                 return f"{name}/{mv.version}"
         return None
