@@ -310,3 +310,32 @@ def test_an_experiment_deleted_in_mlflow_is_a_config_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "spec.mlflow.experiment" in err and f"mlflow experiments restore --experiment-id {experiment}" in err
     assert "Traceback" not in err
+
+
+def test_a_store_that_fails_to_answer_does_not_fork_the_resumed_run(tmp_path, monkeypatch):
+    """Any MLflow error reading the checkpoint's run (a server answering 503 after MLflow's retries)
+    was taken for 'not in this store': the resumed job logged the rest of its steps to a new run,
+    and the run it belongs to stayed cut short. Only a run the store does not have starts a new one."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+    from mlflow.tracking import MlflowClient
+
+    from gem.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(_tracked(uri), active=True)
+    t.start()
+    t.end("FAILED")
+
+    def unavailable(self, run_id):
+        raise MlflowException("the server is restarting", error_code=TEMPORARILY_UNAVAILABLE)
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowClient, "get_run", unavailable)
+        with pytest.raises(MlflowException, match="restarting"):  # the job fails; its restart resumes again
+            Tracker(_tracked(uri), active=True).start(resume_run_id=t.run_id)
+    assert len(MlflowClient(uri).search_runs([t.experiment_id])) == 1
+    missing = Tracker(_tracked(uri), active=True)  # a run this store does not have: a new run, as before
+    missing.start(resume_run_id="0123456789abcdef0123456789abcdef")
+    assert missing.run_id not in (None, t.run_id)
+    missing.end()

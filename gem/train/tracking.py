@@ -225,6 +225,8 @@ class Tracker:
         try:
             run = self._client.get_run(run_id)
         except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # a store that failed to answer: retry on restart,
+                raise  # not a new run holding the rest of this one's steps
             log.warning("mlflow: run %s of the checkpoint is not in %s (%s): starting a new run",
                         run_id, redact_uri(self.tracking_uri), e.error_code)
             return False
