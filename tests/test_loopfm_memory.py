@@ -114,6 +114,7 @@ def test_embedding_examples_leaves_no_hook_on_the_model():
 
     from gem.api.types import ModelSpec, SyntheticDataSpec
     from gem.data.synthetic import SyntheticWorld
+    from gem.data.batch import make_batch
     from gem.loopfm.logging import UserRepresentation, embed_examples
     from gem.model import build_model
 
@@ -124,8 +125,12 @@ def test_embedding_examples_leaves_no_hook_on_the_model():
     again, _ = embed_examples(fm, ex)
     assert np.array_equal(first, again) and first.shape == (16, 64)
     assert not fm.norm_out._forward_hooks
+    assert UserRepresentation(fm).dim == 64 and not fm.norm_out._forward_hooks  # asked only its width
     with UserRepresentation(fm) as rep:  # a long-lived reader (the Solaris scorer) unhooks when closed
-        assert len(fm.norm_out._forward_hooks) == 1 and rep.dim == 64
+        _, emb = rep(make_batch(ex, np.arange(4), max_seq_len=fm.max_seq_len))
+        assert len(fm.norm_out._forward_hooks) == 1 and emb.shape == (4, 64)
+        rep(make_batch(ex, np.arange(4), max_seq_len=fm.max_seq_len))
+        assert len(fm.norm_out._forward_hooks) == 1
     assert not fm.norm_out._forward_hooks
 
 

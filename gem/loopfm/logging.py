@@ -103,13 +103,14 @@ class UserRepresentation:
         self.model = model
         self.kind = kind
         self._captured: torch.Tensor | None = None
-        self._handle = model.norm_out.register_forward_hook(self._hook) if kind == "tokens" else None
+        # hooked on the first call, not here: a reader made only for its `dim` leaves the model alone
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
 
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         self._captured = output
 
     def close(self) -> None:
-        """Unhook the model (kind "tokens"): a hook left behind runs on every later forward of it."""
+        """Unhook the model (kind "tokens", once called): a hook left behind runs on every later forward of it."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -139,6 +140,8 @@ class UserRepresentation:
     def __call__(self, batch, *, logits: bool = True) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
         if self.kind == "history":
             return (self.model(batch) if logits else None), self.history(batch)
+        if self._handle is None:
+            self._handle = self.model.norm_out.register_forward_hook(self._hook)
         out = self.model(batch)
         q = self._captured  # [B, Nq, d]
         self._captured = None
