@@ -43,6 +43,21 @@ def test_mxfp8_swaps_attention_and_mlp_linears_only():
     assert apply_precision(model, "bf16") is model
 
 
+def test_mxfp8_keeps_a_loopfm_students_memory_reader_out():
+    """A LoopFM student's `memory_score` B_t gives the logit term cand · B_t mem directly, like a head:
+    it stays bf16 under mxfp8 even at MX-sized widths, while the student's MLP goes to MXFP8."""
+    from gem.api.types import StudentSpec
+    from gem.loopfm.student import LoopFMStudent
+
+    student = LoopFMStudent(StudentSpec(embedding_dim=32, hidden_dim=64, max_seq_len=8), memory_dim=32)
+    assert student.memory_score is not None
+    apply_precision(student, "mxfp8")
+    readers = dict(student.memory_score.items())
+    assert readers and all(type(lin) is torch.nn.Linear for lin in readers.values()), readers
+    assert any(isinstance(m, MXFP8Linear) for n, m in student.named_modules() if n.startswith("mlp")), \
+        [n for n, m in student.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
 def test_mxfp8_keeps_the_prediction_heads_out():
     """The heads' input projection (flattened summary tokens -> head hidden) reaches the logits with no
     norm in between: torchtitan keeps its final projection ("output") out of MX for the same reason.

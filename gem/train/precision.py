@@ -4,7 +4,8 @@
 - `mxfp8`: every `nn.Linear` whose in and out widths are multiples of 32 (the MX block size),
   outside the prediction heads -- the attention projections and the MLPs; not the tiny input
   projections (widths not multiples of 32: skipped, and logged) nor anything under a module named
-  `*heads` (`heads`, `wide_heads`, a student's `heads` / `aux_heads`, whatever their widths: like
+  `*heads` (`heads`, `wide_heads`, a student's `heads` / `aux_heads`, whatever their widths) or
+  named `memory_score` (a LoopFM student's memory reader, a logit term of its own) (like
   torchtitan's default `filter_fqns=["output"]`, the layers whose error goes straight into the
   logits stay bf16) -- is swapped in place for `MXFP8Linear`, which keeps the same parameters (so
   DeepSpeed/ZeRO, checkpoints and `model.pt` are unchanged) and computes
@@ -39,6 +40,8 @@ log = logging.getLogger("gem.train")
 MX_BLOCK = 32
 #: Modules whose Linears stay bf16 under mxfp8, matched by name (any component ending in it).
 MX_SKIP_SUFFIX = "heads"
+#: ...and by exact component: a LoopFM student's memory reader, whose `cand · B_t mem` is a logit term.
+MX_SKIP_NAMES = frozenset({"memory_score"})
 
 
 def mx_kernel_preference(device: torch.device | None = None) -> Any:
@@ -94,11 +97,12 @@ def mx_eligible(module: nn.Module, name: str = "") -> bool:
     """A Linear mxfp8 swaps: MX-sized widths (else torchao's blocks of 32 do not tile it) and not in a head."""
     return (isinstance(module, nn.Linear) and not isinstance(module, MXFP8Linear)
             and module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
-            and not in_heads(name))
+            and not feeds_logits(name))
 
 
-def in_heads(name: str) -> bool:
-    return any(part.endswith(MX_SKIP_SUFFIX) for part in name.split("."))
+def feeds_logits(name: str) -> bool:
+    """Whether a module's output goes straight into the logits (a prediction head, the memory reader)."""
+    return any(part.endswith(MX_SKIP_SUFFIX) or part in MX_SKIP_NAMES for part in name.split("."))
 
 
 def _check_torchao() -> None:
@@ -134,7 +138,7 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | Non
         MXFP8Linear.from_linear(m)
     swapped = [name for name, _ in chosen]
     kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, MXFP8Linear)]
-    log.info("mxfp8: %d linear layers in MXFP8 (%s); %d kept in bf16 (prediction heads, or widths not "
+    log.info("mxfp8: %d linear layers in MXFP8 (%s); %d kept in bf16 (layers feeding the logits, or widths not "
              "multiples of %d: %s)", len(swapped), ", ".join(swapped[:8]) + ("..." if len(swapped) > 8 else ""),
              len(kept), MX_BLOCK, ", ".join(kept[:8]))
     if device is not None and device.type == "cuda":
