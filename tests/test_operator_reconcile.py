@@ -120,6 +120,45 @@ def test_a_teacher_without_a_checkpoint_claim_fails_the_distillation(cluster, te
     assert cluster.get(JOBS, "PyTorchJob", "student-distill") is None
 
 
+@pytest.mark.parametrize("teacher_status", [
+    {"phase": "Running"},
+    {"phase": "Succeeded", "latestCheckpoint": "/ckpt/default/fm/step-00000200"},
+])
+def test_a_distillation_named_like_its_teacher_on_the_same_claim_is_invalid(cluster, teacher_status):
+    # LoopFMDistill fm and GEMTraining fm (two kinds: Kubernetes allows the name) on one claim share its
+    # <ns>/fm/ directory, whatever path each mounts it at: the trainer refused it only once its pods ran
+    teacher(cluster, "fm", teacher_status, claimName="shared", path="/ckpt")
+    student = stored(cluster, "LoopFMDistill", "fm", teacher={"gemTraining": "fm"},
+                     checkpoint={"claimName": "shared", "path": "/student"})
+    status = reconcile.reconcile("LoopFMDistill", student, LOG)
+    assert status["phase"] == "Invalid"
+    valid = condition(status, "Valid")
+    assert valid["status"] == "False" and valid["message"].startswith("spec.teacher.gemTraining: GEMTraining default/fm")
+    for fix in ("metadata.name", "spec.checkpoint.claimName", "claim shared"):
+        assert fix in valid["message"], fix
+    assert warnings(cluster, "fm") == ["InvalidSpec"]
+    assert cluster.get(JOBS, "PyTorchJob", "fm-distill") is None
+
+    # another claim: the two job directories are on different volumes
+    other = {**student, "status": status, "spec": {**student["spec"], "checkpoint": {
+        **student["spec"]["checkpoint"], "claimName": "student-ckpt"}}}
+    if teacher_status["phase"] == "Running":
+        with pytest.raises(kopf.TemporaryError):
+            reconcile.reconcile("LoopFMDistill", other, LOG)
+    else:
+        assert reconcile.reconcile("LoopFMDistill", other, LOG)["phase"] == "Created"
+
+
+def test_a_teacher_checkpoint_inside_the_distillations_own_job_directory_is_invalid(cluster):
+    student = stored(cluster, "LoopFMDistill", "fm", teacher={"checkpoint": "/ckpt/default/fm/step-00000200"},
+                     checkpoint={"claimName": "shared", "path": "/ckpt/"})
+    status = reconcile.reconcile("LoopFMDistill", student, LOG)
+    assert status["phase"] == "Invalid"
+    assert condition(status, "Valid")["message"].startswith(
+        "spec.teacher.checkpoint: /ckpt/default/fm/step-00000200 is in this distillation's own job directory")
+    assert cluster.get(JOBS, "PyTorchJob", "fm-distill") is None
+
+
 def test_a_running_teacher_with_a_claim_is_still_waited_for(cluster):
     teacher(cluster, "busy", {"phase": "Running"}, claimName="shared")
     student = stored(cluster, "LoopFMDistill", "student", teacher={"gemTraining": "busy"})

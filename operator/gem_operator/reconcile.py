@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import posixpath
+from pathlib import PurePosixPath
 from typing import Any
 
 import kopf
@@ -94,6 +96,7 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
     """
     teacher = obj.spec.teacher
     if teacher.checkpoint:
+        _check_not_in_own_job(obj, teacher.checkpoint)
         return render.TeacherMount(checkpoint=teacher.checkpoint)
     if teacher.mlflow_model_uri:
         return None  # the trainer downloads it from MLflow itself
@@ -113,13 +116,20 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
             f"GEMTraining {ns}/{ref} named in spec.teacher.gemTraining does not exist; "
             "create it or fix the name (waiting for it)",
         )
+    pspec = (parent.get("spec") or {}).get("checkpoint") or {}
+    if ref == obj.metadata.name and pspec.get("claimName") and pspec["claimName"] == obj.spec.checkpoint.claim_name:
+        # the claim is mounted whole, at any path: both jobs' directories are <ns>/<name>/ on it
+        raise InvalidSpec(
+            f"spec.teacher.gemTraining: GEMTraining {ns}/{ref} has this distillation's name and keeps its checkpoints "
+            f"on the same claim (claim {pspec['claimName']}), so both would use its {ns}/{ref}/ directory: the "
+            "student would resume from the teacher's checkpoints. Create the distillation under another "
+            "metadata.name, or give it another spec.checkpoint.claimName")
     pstatus = parent.get("status") or {}
     phase = pstatus.get("phase")
     if phase in (Phase.failed.value, Phase.invalid.value):
         raise TeacherNotReady(
             "TeacherFailed", f"teacher GEMTraining {ns}/{ref} is {phase}: {pstatus.get('message', '')}", permanent=True
         )
-    pspec = (parent.get("spec") or {}).get("checkpoint") or {}
     if not pspec.get("claimName"):
         raise _checkpoint_not_shared(ns, ref)
     if phase != Phase.succeeded.value:
@@ -130,6 +140,16 @@ def resolve_teacher(obj: Any, status: dict[str, Any] | None = None) -> render.Te
     if not pstatus.get("latestCheckpoint"):
         raise _no_checkpoint(ns, ref, pspec["claimName"], pspec.get("path") or CheckpointSpec().path)
     return _teacher_mount(obj, pstatus["latestCheckpoint"], pspec["claimName"], pspec.get("path"))
+
+
+def _check_not_in_own_job(obj: Any, path: str) -> None:
+    """spec.teacher.checkpoint inside <spec.checkpoint.path>/<ns>/<name>/, where the student's checkpoints go."""
+    job = posixpath.join(obj.spec.checkpoint.path, obj.metadata.namespace, obj.metadata.name)
+    if PurePosixPath(posixpath.normpath(path)).is_relative_to(posixpath.normpath(job)):
+        raise InvalidSpec(
+            f"spec.teacher.checkpoint: {path} is in this distillation's own job directory {job}, where its student's "
+            "checkpoints go: name the teacher's checkpoint elsewhere, or create the distillation under another "
+            "metadata.name or with another spec.checkpoint.path")
 
 
 #: How else a LoopFMDistill can name its teacher (gem.api.types.TeacherSpec).
@@ -223,6 +243,8 @@ def reconcile(kind: str, body: dict[str, Any], logger: logging.Logger) -> dict[s
     if kind == "LoopFMDistill":
         try:
             teacher = resolve_teacher(obj, status)
+        except InvalidSpec as e:  # the teacher's own resource shows the spec cannot run
+            return mark_invalid(kind, body, str(e), logger)
         except TeacherNotReady as e:
             if (st.get_condition(status, "TeacherReady") or {}).get("reason") != e.reason:
                 _event(body, "Warning" if e.permanent else "Normal", e.reason, e.message, key=str(generation))
