@@ -1,8 +1,11 @@
 """The LoopFM task's memory bookkeeping, without the trainer: the job memory is logged completely
 (a partial or other-data log is replaced), and a student reloads the memory version it was trained with."""
 
+import json
 import logging
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,3 +500,92 @@ def test_parquet_data_without_the_memory_key_columns_is_a_spec_error(tmp_path, t
                                         r"the LoopFM memory is keyed by \(user_id, request_time\)"):
         loopfm_task.LoopFMTask(manifest, device=torch.device("cpu"), is_main=True)
     assert not loopfm_task.memory_dir_of(manifest).exists()  # refused before the teacher loads
+
+
+def _register(client, run_dir, name="fm"):
+    """A run logging run_dir as its checkpoint artifacts, registered as the next version of `name`."""
+    import mlflow
+
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(run_dir), artifact_path="checkpoint")
+    return client.create_model_version(name, source=f"{run.info.artifact_uri.rstrip('/')}/checkpoint",
+                                       run_id=run.info.run_id).version  # an int in MLflow 3
+
+
+def test_a_resumed_distillation_keeps_its_registered_model_version_when_latest_moves(tmp_path, teacher_dir,
+                                                                                       monkeypatch):
+    """mlflowModelUri models:/fm/latest, killed and restarted after version 2 was registered: the record held the
+    old pod's temp download (and a version id from it), so the new pod raised 'teacher ... is gone'. The record
+    now names the version `latest` resolved to (models:/fm/1), which a restart downloads again; that version
+    deleted from the registry, it is a SpecError naming the field."""
+    import shutil
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from gem.distill.task import DistillTask
+    from gem.distill.teacher import TEACHER_ANNOTATION
+    from gem.loopfm.logging import model_version_of
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("fm")
+    assert _register(client, teacher_dir) == 1
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"mlflowModelUri": "models:/fm/latest"}
+    wire["spec"]["distillation"]["method"] = "kd"
+    manifest = parse_object(wire)
+
+    first = DistillTask(manifest, device=torch.device("cpu"))
+    trained_with = model_version_of(first.teacher_dir)
+    ckpt = tmp_path / "ckpt" / "local" / "lf" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "gem.yaml").write_text(yaml.safe_dump(first.manifest.to_wire()))  # what the trainer saves
+    (ckpt / "COMPLETE").write_text("{}")
+    shutil.rmtree(first.teacher_dir)  # the old pod's /tmp
+
+    other = tmp_path / "fm2" / "step-00000001"  # a newer teacher registered while the job was down
+    shutil.copytree(teacher_dir, other)
+    torch.manual_seed(1)
+    torch.save(build_model(first.teacher_manifest.spec.model).state_dict(), other / "model.pt")
+    assert _register(client, other) == 2
+
+    resumed = DistillTask(manifest, device=torch.device("cpu"))
+    assert model_version_of(resumed.teacher_dir) == trained_with  # version 1, not latest (2)
+    for task in (first, resumed):  # the version latest resolved to, not 'latest'
+        assert json.loads(task.manifest.metadata.annotations[TEACHER_ANNOTATION])["mlflowModelUri"] == "models:/fm/1"
+
+    client.delete_model_version("fm", "1")
+    with pytest.raises(SpecError, match=r"^spec\.teacher\.mlflowModelUri: this job's checkpoints \(step-00000001\) "
+                                        r"were trained with teacher models:/fm/1, which MLflow no longer has"):
+        DistillTask(manifest, device=torch.device("cpu"))
+
+    shutil.rmtree(tmp_path / "ckpt")  # a fresh job distils what latest names now
+    assert json.loads(DistillTask(manifest, device=torch.device("cpu")).manifest.metadata.annotations[
+        TEACHER_ANNOTATION])["mlflowModelUri"] == "models:/fm/2"
+
+
+def test_mlflow_teacher_downloads_are_removed_when_the_process_exits(tmp_path, teacher_dir):
+    """Every start downloaded the teacher (GBs) into a fresh temp dir that nothing removed."""
+    import subprocess
+    import sys
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("fm")
+    _register(client, teacher_dir)
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"mlflowModelUri": "models:/fm/1"}
+    script = ("import sys, yaml; from gem.api import parse_object; from gem.distill.teacher import resolve_teacher; "
+              "print(resolve_teacher(parse_object(yaml.safe_load(sys.stdin)).spec, 'local'))")
+    done = subprocess.run([sys.executable, "-c", script], input=yaml.safe_dump(wire), capture_output=True, text=True,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": uri, "TMPDIR": str(tmp_path)}, check=True)
+    downloaded = Path(done.stdout.strip().splitlines()[-1])
+    assert downloaded.is_relative_to(tmp_path) and downloaded.name == "checkpoint"
+    assert not downloaded.exists() and not downloaded.parent.exists()

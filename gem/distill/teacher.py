@@ -10,7 +10,9 @@ named in one of three ways:
 
 A resumed distillation keeps the teacher its checkpoints record (TEACHER_ANNOTATION in their gem.yaml),
 even when spec.teacher now resolves to another checkpoint (a GEMTraining still training, a registered
-model's newer version); that teacher gone, it is a SpecError.
+model's newer version); that teacher gone, it is a SpecError. A teacher from MLflow is recorded as the
+exact version downloaded (models:/<name>/latest, a stage or an alias as models:/<name>/<N>), which a
+restart downloads again. Downloads go to a temp dir removed when the process exits.
 
 A teacher that is not there, is not a GEM model, or does not load (a corrupt or truncated
 model.pt, weights of another model config than its gem.yaml) is a SpecError naming
@@ -23,10 +25,12 @@ of leaving the others waiting in the trainer's first collective.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -51,24 +55,54 @@ def _checkpoint_in(path: Path, what: str, fix: str) -> Path:
     raise SpecError(f"{what}: no GEM checkpoint (gem.yaml + model.pt) at {path}: {fix}")
 
 
-def _download(uri: str, tracking_uri: str | None) -> Path:
+class _NotInMLflow(Exception):
+    """MLflow has no such registered model, version, alias or run (RESOURCE_DOES_NOT_EXIST)."""
+
+
+#: The teachers this process downloaded from MLflow: their directory -> the URI of that exact version, which
+#: their record keeps (with_teacher) so that a restart downloads the same teacher again.
+_DOWNLOADED: dict[Path, str] = {}
+
+
+def _pinned(uri: str) -> str:
+    """A registered model's latest version, stage or alias (models:/<name>/latest, models:/<name>@<alias>) as the
+    version it names now, models:/<name>/<N>; any other URI as it is (a version, a run's artifacts)."""
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+    from mlflow.tracking import MlflowClient
+
+    if not uri.startswith("models:"):
+        return uri
+    found = get_model_name_and_version(MlflowClient(), uri)
+    return f"models:/{found[0]}/{found[1]}" if len(found) == 2 else uri  # (model id,): a logged model, fixed
+
+
+def _download(uri: str, tracking_uri: str | None) -> tuple[Path, str]:
+    """(the downloaded files, the URI of the exact version downloaded). Raises _NotInMLflow."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
+    root = Path(tempfile.mkdtemp(prefix="gem-teacher-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # a teacher may be GBs: not left behind per start
     # A registered model's (models:/...) files land in dst itself: a fixed last component keeps the
     # teacher's version (directory name + weights hash) the same on every rank and after a restart.
-    dst = Path(tempfile.mkdtemp(prefix="gem-teacher-")) / "checkpoint"
     try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+        pinned = _pinned(uri)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned, dst_path=str(root / "checkpoint"))), pinned
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise  # the server unreachable, say: a restart may succeed
-        # a model, version or run that is not there: a config error no restart fixes (exit 2)
-        raise SpecError(f"spec.teacher.mlflowModelUri {uri!r}: MLflow has no such model, version or run "
-                        f"({' '.join(str(e).split())[:300]}): name a registered model version (models:/<name>/"
-                        "<version>) or a run's checkpoint artifacts (runs:/<run id>/checkpoint)") from e
+        raise _NotInMLflow(" ".join(str(e).split())[:300]) from e  # a config error no restart fixes (exit 2)
+
+
+def _mlflow_teacher(uri: str, spec: LoopFMDistillSpec) -> Path:
+    """The checkpoint of MLflow's `uri`, downloaded; remembered with the exact version it is (_DOWNLOADED)."""
+    path, pinned = _download(uri, spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    path = _checkpoint_in(path, "spec.teacher.mlflowModelUri",
+                          "point it at the artifacts of a GEM checkpoint (e.g. runs:/<id>/checkpoint)")
+    _DOWNLOADED[path] = pinned
+    return path
 
 
 def teacher_field(spec: LoopFMDistillSpec) -> str:
@@ -92,13 +126,17 @@ def resolve_teacher(spec: LoopFMDistillSpec, namespace: str) -> Path:
                 "that GEMTraining first, mount the same checkpoint volume in both jobs (spec.checkpoint), "
                 "or name the teacher by spec.teacher.checkpoint / mlflowModelUri")
         return latest
-    tracking_uri = spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return _checkpoint_in(_download(teacher.mlflow_model_uri, tracking_uri), "spec.teacher.mlflowModelUri",
-                          "point it at the artifacts of a GEM checkpoint (e.g. runs:/<id>/checkpoint)")
+    try:
+        return _mlflow_teacher(teacher.mlflow_model_uri, spec)
+    except _NotInMLflow as e:
+        raise SpecError(f"spec.teacher.mlflowModelUri {teacher.mlflow_model_uri!r}: MLflow has no such model, version "
+                        f"or run ({e}): name a registered model version (models:/<name>/<version>) or a run's "
+                        "checkpoint artifacts (runs:/<run id>/checkpoint)") from e
 
 
 #: Where a distillation's checkpoints (gem.yaml) record the teacher they were trained with, as JSON
-#: {"checkpoint": its directory, "version": gem.loopfm.logging.model_version_of(it)}.
+#: {"checkpoint": its directory, "version": gem.loopfm.logging.model_version_of(it)}, and for a teacher from
+#: MLflow "mlflowModelUri": the exact version downloaded (models:/<name>/<N> where the spec says latest).
 TEACHER_ANNOTATION = "distill.gem.dev/teacher"
 
 
@@ -106,9 +144,11 @@ def with_teacher(manifest: Any, teacher_dir: Path) -> Any:
     """A copy of the manifest recording its teacher (what the trainer saves as each checkpoint's gem.yaml)."""
     from gem.loopfm.logging import model_version_of
 
+    record = {"checkpoint": str(teacher_dir), "version": model_version_of(teacher_dir)}
+    if Path(teacher_dir) in _DOWNLOADED:
+        record["mlflowModelUri"] = _DOWNLOADED[Path(teacher_dir)]
     recorded = manifest.model_copy(deep=True)
-    recorded.metadata.annotations[TEACHER_ANNOTATION] = json.dumps(
-        {"checkpoint": str(teacher_dir), "version": model_version_of(teacher_dir)})
+    recorded.metadata.annotations[TEACHER_ANNOTATION] = json.dumps(record)
     return recorded
 
 
@@ -165,11 +205,29 @@ def _teacher_of_resumed_job(spec: LoopFMDistillSpec, job_manifest: Any, path: Pa
                     field, version, path, latest.name, old)
         return old
     job = latest.parent
+    pin = (" (checkpoints recorded before the version was: set it to the version they were trained with, "
+           "models:/<name>/<N>)" if spec.teacher.mlflow_model_uri else "")
     raise SpecError(
         f"{field}: this job's checkpoints ({latest.name}) were trained with teacher {recorded.get('version')} "
         f"({old}), which is gone; {field} now names {version} ({path}). A resumed distillation keeps its "
-        f"teacher: restore that checkpoint, or distil the new teacher from scratch under another metadata.name "
-        f"(or move {job} away)")
+        f"teacher: restore that checkpoint{pin}, or distil the new teacher from scratch under another "
+        f"metadata.name (or move {job} away)")
+
+
+def _recorded_mlflow_teacher(spec: LoopFMDistillSpec, recorded: dict[str, str], latest: Path) -> Path:
+    """The MLflow version a resumed job's checkpoints record, downloaded again (the first start's download was in
+    its own temp dir), whatever spec.teacher.mlflowModelUri's latest / stage / alias names now."""
+    source, uri = recorded["mlflowModelUri"], spec.teacher.mlflow_model_uri
+    if uri != source:
+        log.info("spec.teacher.mlflowModelUri %s: resuming with %s, the version this job's checkpoints (%s) were "
+                 "trained with (a new job distils the version it names now)", uri, source, latest.name)
+    try:
+        return _mlflow_teacher(source, spec)
+    except _NotInMLflow as e:
+        raise SpecError(
+            f"spec.teacher.mlflowModelUri: this job's checkpoints ({latest.name}) were trained with teacher {source}, "
+            f"which MLflow no longer has ({e}). A resumed distillation keeps its teacher: restore that version, or "
+            f"distil {uri} from scratch under another metadata.name (or move {latest.parent} away)") from e
 
 
 def _check_not_in_own_job(field: str, path: Path, job_manifest: Any) -> None:
@@ -191,11 +249,16 @@ def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any =
     job_manifest: the distillation's manifest; when its job already has checkpoints (a restart), the
     teacher they record (TEACHER_ANNOTATION) is kept, so a resume trains on against the same teacher.
     """
-    path = resolve_teacher(spec, namespace)
     field = teacher_field(spec)
-    if job_manifest is not None:
-        _check_not_in_own_job(field, path, job_manifest)
-        path = _teacher_of_resumed_job(spec, job_manifest, path)
+    found = _recorded_teacher(job_manifest) if job_manifest is not None else None
+    if found is not None and spec.teacher.mlflow_model_uri and found[0].get("mlflowModelUri"):
+        # not what latest (a stage, an alias) names now: the version the checkpoints were trained with
+        path = _teacher_of_resumed_job(spec, job_manifest, _recorded_mlflow_teacher(spec, *found))
+    else:
+        path = resolve_teacher(spec, namespace)
+        if job_manifest is not None:
+            _check_not_in_own_job(field, path, job_manifest)
+            path = _teacher_of_resumed_job(spec, job_manifest, path)
     try:
         kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
     except yaml.YAMLError as e:
