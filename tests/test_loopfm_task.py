@@ -589,3 +589,47 @@ def test_mlflow_teacher_downloads_are_removed_when_the_process_exits(tmp_path, t
     downloaded = Path(done.stdout.strip().splitlines()[-1])
     assert downloaded.is_relative_to(tmp_path) and downloaded.name == "checkpoint"
     assert not downloaded.exists() and not downloaded.parent.exists()
+
+
+def test_checkpoints_recorded_before_the_mlflow_version_was_resume_from_the_version_the_error_names(
+        tmp_path, teacher_dir, monkeypatch):
+    """Checkpoints saved before the record kept the MLflow version cannot say which version `latest` was: the error
+    says to name it (models:/<name>/<N>), and with it named the job resumes."""
+    import shutil
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from gem.distill.task import DistillTask
+    from gem.distill.teacher import TEACHER_ANNOTATION
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("fm")
+    _register(client, teacher_dir)
+    wire = distill_manifest(tmp_path, teacher_dir).to_wire()
+    wire["spec"]["teacher"] = {"mlflowModelUri": "models:/fm/latest"}
+    wire["spec"]["distillation"]["method"] = "kd"
+    first = DistillTask(parse_object(wire), device=torch.device("cpu"))
+    saved = first.manifest.to_wire()
+    record = json.loads(saved["metadata"]["annotations"][TEACHER_ANNOTATION])
+    del record["mlflowModelUri"]  # as the release before wrote it
+    saved["metadata"]["annotations"][TEACHER_ANNOTATION] = json.dumps(record)
+    ckpt = tmp_path / "ckpt" / "local" / "lf" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "gem.yaml").write_text(yaml.safe_dump(saved))
+    (ckpt / "COMPLETE").write_text("{}")
+    shutil.rmtree(first.teacher_dir)
+    other = tmp_path / "fm2" / "step-00000001"
+    shutil.copytree(teacher_dir, other)
+    torch.manual_seed(1)
+    torch.save(build_model(first.teacher_manifest.spec.model).state_dict(), other / "model.pt")
+    _register(client, other)
+
+    with pytest.raises(SpecError, match=r"set it to the version they were trained with, models:/<name>/<N>"):
+        DistillTask(parse_object(wire), device=torch.device("cpu"))
+    wire["spec"]["teacher"] = {"mlflowModelUri": "models:/fm/1"}
+    resumed = DistillTask(parse_object(wire), device=torch.device("cpu"))
+    assert json.loads(resumed.manifest.metadata.annotations[TEACHER_ANNOTATION])["version"] == record["version"]
