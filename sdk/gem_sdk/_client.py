@@ -22,7 +22,7 @@ from gem_sdk._types import (
     Resource,
     Until,
 )
-from gem_sdk.backends.base import Backend
+from gem_sdk.backends.base import OUTAGE_S, Backend
 
 __all__ = ["GEMClient"]
 
@@ -316,8 +316,8 @@ class GEMClient:
                 return None
             except BackendError as e:
                 # The deletion was accepted: an API server briefly away (a control-plane restart) is
-                # waited out, as by wait, for at most _OUTAGE_S; at the timeout its error goes out.
-                outage_ends = outage_ends or time.monotonic() + _OUTAGE_S
+                # waited out, as by wait, for at most OUTAGE_S; at the timeout its error goes out.
+                outage_ends = outage_ends or time.monotonic() + OUTAGE_S
                 if not e.transient or time.monotonic() >= outage_ends or _time_left(deadline) == 0:
                     raise
                 obj = None
@@ -660,10 +660,6 @@ def _interleave(
         stopped.set()
     if error is not None:
         raise error
-
-
-#: How long `delete(wait=True)` waits out an API server that is away (as the Kubernetes backend's wait).
-_OUTAGE_S = 300.0
 
 
 def _time_left(deadline: float | None, *, raise_when_over: bool = False) -> float | None:

@@ -11,6 +11,10 @@ from typing import Any
 
 from gem_sdk._types import TERMINAL_PHASES, MetricPoint, ObjectInput, Ref, ReplicaPod, Resource, Until
 
+#: How long a wait (`wait`, `delete(wait=True)`) rides out an API server that is away (a
+#: control-plane restart) before its error goes out.
+OUTAGE_S = 300.0
+
 
 class Backend(abc.ABC):
     """Where jobs run. See GEMClient for the meaning of each method and argument."""

@@ -52,7 +52,7 @@ from gem_sdk._types import (
     Until,
     resolve_kind,
 )
-from gem_sdk.backends.base import Backend
+from gem_sdk.backends.base import OUTAGE_S, Backend
 from gem_sdk.backends.kubernetes.utils import (
     CONNECTION_ERRORS,
     TRANSIENT,
@@ -68,9 +68,9 @@ T = TypeVar("T")
 _WATCH_SEGMENT_S = 300
 #: Pause before re-listing after a dropped watch, so a flapping API is not hammered.
 _RELIST_PAUSE_S = 0.2
-#: How long `wait` keeps re-listing through an unreachable or unavailable API (a control-plane
-#: restart) before it gives up; the pause between tries doubles up to the second value.
-_OUTAGE_S, _OUTAGE_PAUSE_MAX_S = 300.0, 10.0
+#: The longest pause between tries while `wait` re-lists through an API that is away (for at most
+#: OUTAGE_S); it doubles up to this.
+_OUTAGE_PAUSE_MAX_S = 10.0
 #: Objects per list request, as kubectl's --chunk-size: a namespace with thousands of jobs is read
 #: in pages the API server can answer within its request timeout, not in one unbounded answer.
 _LIST_CHUNK = 500
@@ -150,9 +150,9 @@ class KubernetesBackend(Backend):
 
         With `retry`, an API server that is briefly away (a control-plane restart: refused or
         dropped connections, 429, 5xx) is waited out, the pause doubling up to _OUTAGE_PAUSE_MAX_S,
-        for at most _OUTAGE_S. Any other error is mapped by `api_error` at once.
+        for at most OUTAGE_S. Any other error is mapped by `api_error` at once.
         """
-        pause, given_up = _RELIST_PAUSE_S, time.monotonic() + _OUTAGE_S
+        pause, given_up = _RELIST_PAUSE_S, time.monotonic() + OUTAGE_S
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out()
@@ -479,8 +479,7 @@ class KubernetesBackend(Backend):
         ref = {"kind": kind, "namespace": ns, "name": name}
         missing = NotFoundError(f"pod {ns}/{pod} of {describe(kind, ns, name)} does not exist (not created yet, "
                                 "or cleaned up): it has no previous container", **ref)
-        listed = self._call("list pods of", kind, ns, name, lambda **kw: _json(self.core.list_namespaced_pod(
-            ns, field_selector=f"metadata.name={pod}", _preload_content=False, **kw)))
+        listed = self._list_pod(kind, ns, name, pod, None, retry=False)
         if any(_of_another_job(p, job) for p in listed.get("items") or []):
             raise missing
         try:
