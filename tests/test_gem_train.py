@@ -1,7 +1,8 @@
-"""`gem train` / `gem eval` as one process: learning, checkpoints, resume, the report, MLflow, bad configs.
+"""`gem train` / `gem eval` as one process: checkpoints, resume, the report, MLflow, bad configs.
 
 The runs call gem.cli.main in-process (no torch/DeepSpeed import per run); test_gem_distributed.py
-covers torchrun.
+covers torchrun. Learning, the final report, the checkpoint layout and `gem eval` of a finished run
+are checked on test_modules_gem_train.py's run (the GEM it compares with DLRM): one training for both.
 """
 
 import json
@@ -39,39 +40,6 @@ pytestmark = pytest.mark.usefixtures("trainer_env")
 
 def termination(tmp_path):
     return json.loads((tmp_path / "termination-log").read_text())
-
-
-def test_train_learns_and_reports(tmp_path, capsys):
-    path = manifest(tmp_path, "learn", steps=200, every=80,
-                    data={"synthetic": {"numUsers": 1000, "numAds": 300, "numTrainExamples": 20000,
-                                        "numEvalExamples": 3000, "meanHistoryLen": 24}},
-                    training={"batchSize": 64, "evalEvery": 100})
-    assert cli.main(["train", "--config", str(path)]) == 0
-    report = termination(tmp_path)
-    m = report["metrics"]
-    assert report["step"] == report["totalSteps"] == 200
-    assert m["ne/click"] < 0.95 and m["auc/click"] > 0.7, m
-    # Post-click CVR sees ~1/6 of the examples: after 200 steps it has only begun to learn.
-    assert m["ne/conversion"] < 1.03 and report["ne"] < 0.97, m
-    assert m["bayes_ne/click"] < m["ne/click"]  # nobody beats the true probabilities
-    assert report["ne"] == pytest.approx((m["ne/click"] + m["ne/conversion"]) / 2)
-    assert report["mlflowRunId"] is None and len((tmp_path / "termination-log").read_bytes()) <= 4096
-    # Checkpoint layout: keepLast=2 complete checkpoints, each self-describing.
-    job = tmp_path / "ckpt" / "local" / "learn"
-    assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000160", "step-00000200"]
-    final = job / "step-00000200"
-    assert report["checkpoint"] == str(final)
-    for name in ("COMPLETE", "gem.yaml", "model.pt", "trainer_state.json", "rng/rank-00000.pt"):
-        assert (final / name).is_file(), name
-    assert yaml.safe_load((final / "gem.yaml").read_text())["metadata"]["name"] == "learn"
-    assert json.loads((final / "trainer_state.json").read_text())["loader"] == {"position": 200, "epoch": 0,
-                                                                              "consumed": 12800}
-    # stdout carries the same report; `gem eval` reproduces the metrics from the directory alone.
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ne"] == report["ne"]
-    assert cli.main(["eval", "--config", str(path)]) == 0
-    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert evaluated["checkpoint"] == str(final)
-    assert evaluated["metrics"]["ne/click"] == pytest.approx(m["ne/click"], abs=1e-5)
 
 
 def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(tmp_path, caplog):
