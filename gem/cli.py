@@ -351,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             final_report.write(final_report.error_payload(e))
         return 2
     except BaseException as e:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
+        from gem.train.trainer import Terminated
+
+        if isinstance(e, Terminated):  # stopped as asked, not a crash: no traceback
+            log.warning("gem %s: %s", args.command, e)
+            if _writes_errors():
+                final_report.write(final_report.error_payload(e))
+            return 128 + e.signum  # what Kubernetes and torchrun expect of a process SIGTERM ended
         log.exception("gem %s failed", args.command)
         if _writes_errors():
             final_report.write(final_report.error_payload(e))

@@ -10,6 +10,8 @@
     resume from the latest complete checkpoint   # model, optimizer, scheduler, data position, RNG
         (the one before it, with a warning, when it does not load); MLflow continues its run
     for step in start+1 .. training.steps:
+        SIGTERM on any rank (a pod deleted, preempted, drained): every rank stops here, before the step;
+            the MLflow run ends KILLED, and the process exits 143 (Terminated; no new checkpoint)
         loss = task.loss(engine, next batch); engine.backward(loss); engine.step()
         every evalEvery steps: evaluate;  every checkpoint.everySteps and at the end: save
             (a rank that cannot write its files: every rank raises checkpoint.CheckpointSaveError together)
@@ -23,6 +25,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 import pydantic
 import torch
+import torch.distributed as torch_dist
 
 from gem.data import Batch
 from gem.data.errors import SpecError
@@ -44,7 +48,14 @@ from gem.eval.evaluate import (
 )
 from gem.parallel.plan import PlanError
 from gem.train import checkpoint
-from gem.train.dist import DistEnv, all_gather_objects, deepspeed_config, failures_by_rank, setup_parallel
+from gem.train.dist import (
+    DistEnv,
+    all_gather_objects,
+    deepspeed_config,
+    failures_by_rank,
+    on_every_rank,
+    setup_parallel,
+)
 from gem.train.optim import ShardOptimizer, build_optimizer
 from gem.train.precision import apply_precision
 from gem.train.task import Task
@@ -69,6 +80,17 @@ class DivergedError(RuntimeError):
             "spec.training.learningRate or spec.training.gradClip, or train in fp32 to rule out bf16 overflow")
 
 
+class Terminated(Exception):
+    """The job was told to stop (SIGTERM: Kubernetes deleting, preempting or draining its pod, or
+    torchrun passing that on) and stopped at a step boundary; the process exits 128 + the signal."""
+
+    def __init__(self, signum: int, step: int, last_ckpt: Path | None):
+        self.signum = signum
+        resume = f"a restart resumes from {last_ckpt.name}" if last_ckpt else "no checkpoint was saved yet"
+        super().__init__(f"stopped by {signal.Signals(signum).name} before step {step + 1}: nothing after step "
+                         f"{step} was trained; {resume}")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -88,6 +110,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.tracker = Tracker(self.manifest, active=env.is_main)
         self.bf16 = str(self.spec.training.precision) in ("bf16", "mxfp8")
+        self._signal: int | None = None  # the stop signal received, acted on at the next step boundary
 
     # ------------------------------------------------------------------ setup
 
@@ -249,15 +272,45 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to training.steps and return the final report (identical on every rank)."""
-        self._setup()
+        previous = self._catch_sigterm()
         try:
-            state = self._resume()
-            # a resumed run continues the MLflow run its checkpoint recorded; a fresh start gets a new one
-            self.tracker.start(resume_run_id=(state or {}).get("mlflowRunId"))
-            return self._run()
-        except BaseException:
-            self.tracker.end("FAILED")
-            raise
+            self._setup()
+            try:
+                state = self._resume()
+                # a resumed run continues the MLflow run its checkpoint recorded; a fresh start gets a new
+                # one. Rank 0 starts it: its failure (a deleted experiment: SpecError, exit 2) stops every
+                # rank with the same error here, not only rank 0 while the others train on.
+                on_every_rank(lambda: self.tracker.start(resume_run_id=(state or {}).get("mlflowRunId")),
+                              kept=SpecError, what="start the MLflow run")
+                return self._run()
+            except BaseException as e:
+                self.tracker.end("KILLED" if isinstance(e, Terminated) else "FAILED")  # flushes buffered metrics
+                raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _catch_sigterm(self) -> Any:
+        """Record SIGTERM instead of dying mid-step; the previous handler (None where this thread
+        cannot set one: only the main thread can)."""
+        def record(signum: int, frame: Any) -> None:
+            self._signal = signum
+
+        try:
+            return signal.signal(signal.SIGTERM, record)
+        except ValueError:
+            return None
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM. Collective, once per step: torchrun signals each rank on its own,
+        and a rank that stopped alone would leave the others waiting in the next step's collectives."""
+        stop = self._signal is not None
+        if self.env.world_size > 1:
+            flag = torch.tensor([self._signal or 0], device=self.env.device)
+            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+            self._signal = int(flag.item()) or None
+            stop = self._signal is not None
+        return stop
 
     def _run(self) -> dict[str, Any]:
         last_ckpt = self.resumed_from
@@ -265,6 +318,8 @@ class Trainer:
         progress = self._progress_bar()
         t0, seen = time.perf_counter(), 0
         while self.step < self.total_steps:
+            if self._stop_requested():  # nothing of the next step started: no half-trained step to lose
+                raise Terminated(self._signal, self.step, last_ckpt)
             batch = self.loader.next_batch().to(self.env.device)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with: engine.step moves the schedule on
             logs = self._train_step(batch)

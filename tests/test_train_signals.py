@@ -1,0 +1,122 @@
+"""How `gem train` stops when told to: SIGTERM (Kubernetes deleting, preempting or draining the pod)
+stops at a step boundary, ends the MLflow run KILLED with every step it trained logged, exits 143,
+and a restart resumes the same run; and a rank-0 MLflow setup failure stops every rank alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from gem.train import checkpoint
+from tests.test_gem_distributed import base_env
+
+pytestmark = pytest.mark.usefixtures("trainer_env")  # tests/conftest.py
+
+HANG_S = 180
+
+
+def manifest(tmp_path, *, steps: int) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    obj = {"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "term"}, "spec": {
+        "model": {"preset": "tiny"},
+        "data": {"synthetic": {"numUsers": 50, "numAds": 20, "numTrainExamples": 256, "numEvalExamples": 64,
+                               "meanHistoryLen": 4}},
+        "training": {"steps": steps, "batchSize": 8, "warmupSteps": 0},
+        # 7: most stops fall between checkpoints, where step metrics are still buffered
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 7, "keepLast": 3},
+        "mlflow": {"enabled": True, "experiment": "term", "trackingUri": uri, "registerModel": False}}}
+    path = tmp_path / "term.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return str(path), uri
+
+
+def gem_train(config: str, tmp_path, *, sigterm_after: str | None = None) -> tuple[int, str]:
+    """`gem train` in its own process; SIGTERM once a stderr line contains `sigterm_after`."""
+    proc = subprocess.Popen([sys.executable, "-m", "gem", "train", "--config", config],
+                            env=base_env(GEM_TERMINATION_MESSAGE_PATH=str(tmp_path / "termination-log")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = ""
+    if sigterm_after:
+        for line in proc.stderr:  # ends at EOF if the job exits first
+            seen += line
+            if sigterm_after in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+    try:
+        return proc.wait(timeout=HANG_S), seen + proc.stderr.read()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no exit {HANG_S}s after start (or after SIGTERM)\n{seen[-4000:]}")
+
+
+def test_sigterm_stops_at_a_step_boundary_ends_the_mlflow_run_killed_and_a_restart_resumes_it(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    config, uri = manifest(tmp_path, steps=100_000)
+    code, err = gem_train(config, tmp_path, sigterm_after="step step=10 ")
+    assert code == 128 + signal.SIGTERM, err[-4000:]
+    stopped = re.search(r"stopped by SIGTERM before step (\d+): nothing after step (\d+) was trained", err)
+    assert stopped and "Traceback" not in err, err[-4000:]
+    last = int(stopped.group(2))
+    assert last >= 10
+    error = json.loads((tmp_path / "termination-log").read_text())["error"]
+    assert error.startswith("Terminated: stopped by SIGTERM")
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("term").experiment_id])
+    assert run.info.status == "KILLED"
+    # every step trained is in MLflow, those after the last checkpoint too (they were buffered)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, last + 1))
+    # no checkpoint written on the way out: the newest is the last periodic one
+    ckpt = checkpoint.latest_complete(tmp_path / "ckpt/local/term")
+    resumed_at = int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
+    assert resumed_at == last - last % 7
+
+    # the restart (a new pod) resumes from that checkpoint and continues the same run to the end
+    config, _ = manifest(tmp_path, steps=resumed_at + 2)
+    code, err = gem_train(config, tmp_path)
+    assert code == 0, err[-4000:]
+    report = json.loads((tmp_path / "termination-log").read_text())
+    assert report["mlflowRunId"] == run.info.run_id and report["step"] == resumed_at + 2
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    # steps after the checkpoint ran twice: before SIGTERM and after the resume
+    assert set(steps) == set(range(1, max(last, resumed_at + 2) + 1))
+    assert steps.count(resumed_at + 1) == (2 if last > resumed_at else 1)
+
+
+# --------------------------------------------------------------------------- a rank-0 MLflow failure
+
+
+def test_a_deleted_experiment_stops_every_rank_with_exit_2(tmp_path):
+    """Only rank 0 starts the MLflow run: its config error (a deleted experiment, SpecError) reached
+    no other rank, which trained on until torchrun tore it down (SIGTERM). Now every rank exits 2 with
+    rank 0's message, before any step. 2 ranks (torchrun, gloo): ~25 s, stopped before training."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_train_resume_multirank import manifest as multirank_manifest
+    from tests.test_train_resume_multirank import run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    path = multirank_manifest(tmp_path, "gone", zero_stage=1)
+    obj = yaml.safe_load(path.read_text())
+    obj["spec"]["mlflow"] = {"enabled": True, "experiment": "gone", "trackingUri": uri, "registerModel": False}
+    path.write_text(yaml.safe_dump(obj))
+    code, out = run(path, tmp_path)
+    assert code != 0
+    message = "gem train: spec.mlflow.experiment: the experiment 'gone' was deleted in MLflow"
+    assert out.count(message) == 2, out[-4000:]  # by each rank, rank 1 too
+    # torchrun's summary: exit 2 (a rank still exiting when the other is done may get its SIGTERM)
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)}
+    assert 2 in codes and codes <= {2, -signal.SIGTERM}, out[-4000:]
+    assert checkpoint.latest_complete(tmp_path / "ckpt/t/gone") is None
+
