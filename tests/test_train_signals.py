@@ -120,3 +120,45 @@ def test_a_deleted_experiment_stops_every_rank_with_exit_2(tmp_path):
     assert 2 in codes and codes <= {2, -signal.SIGTERM}, out[-4000:]
     assert checkpoint.latest_complete(tmp_path / "ckpt/t/gone") is None
 
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """torchrun signals each rank on its own, so one may get SIGTERM a step before the other: a rank
+    stopping alone would leave its peer waiting in the next step's collectives. Rank 1 alone is
+    signalled here; both stop at the same boundary and exit 143, and rank 0 ends the run KILLED."""
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_gem_distributed import free_port
+    from tests.test_train_resume_multirank import manifest as multirank_manifest
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = multirank_manifest(tmp_path, "term2", zero_stage=1)
+    obj = yaml.safe_load(path.read_text())
+    obj["spec"]["training"]["steps"] = 100_000
+    obj["spec"]["mlflow"] = {"enabled": True, "experiment": "term2", "trackingUri": uri, "registerModel": False}
+    path.write_text(yaml.safe_dump(obj))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "gem", "train", "--config", str(path)],
+                            env=base_env(GEM_TERMINATION_MESSAGE_PATH=str(tmp_path / "termination-log")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = ""
+    for line in proc.stdout:
+        out += line
+        if "mlflow: started run" in line:  # rank 0's: both ranks are in Trainer.run, SIGTERM caught
+            (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+            rank1.send_signal(signal.SIGTERM)
+            break
+    try:
+        out += proc.communicate(timeout=HANG_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"hung after SIGTERM to rank 1\n{(out + proc.communicate()[0])[-4000:]}")
+    stops = re.findall(r"rank=(\d) gem: gem train: stopped by SIGTERM before step (\d+)", out)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({step for _, step in stops}) == 1, out[-4000:]
+    # torchrun's summary: 143 (a rank still exiting when the other is done may get torchrun's own SIGTERM)
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)}
+    assert 128 + signal.SIGTERM in codes and codes <= {128 + signal.SIGTERM, -signal.SIGTERM}, out[-4000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("term2").experiment_id])
+    assert run.info.status == "KILLED"
