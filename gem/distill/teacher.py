@@ -185,12 +185,12 @@ def _recorded_teacher(job_manifest: Any) -> tuple[dict[str, str], Path] | None:
     return (recorded, latest) if isinstance(recorded, dict) else None
 
 
-def _teacher_of_resumed_job(spec: LoopFMDistillSpec, job_manifest: Any, path: Path) -> Path:
-    """The teacher a resumed distillation must keep: the one its checkpoints were trained with, even when
-    spec.teacher now resolves to another (a GEMTraining still training, models:/<name>/latest moved on)."""
+def _teacher_of_resumed_job(spec: LoopFMDistillSpec, found: tuple[dict[str, str], Path] | None, path: Path) -> Path:
+    """The teacher a resumed distillation must keep: the one its checkpoints were trained with (`found`,
+    from `_recorded_teacher`), even when spec.teacher now resolves to another (a GEMTraining still
+    training, models:/<name>/latest moved on)."""
     from gem.loopfm.logging import model_version_of
 
-    found = _recorded_teacher(job_manifest)
     if found is None:
         return path
     recorded, latest = found
@@ -253,12 +253,12 @@ def load_teacher(spec: LoopFMDistillSpec, namespace: str, *, job_manifest: Any =
     found = _recorded_teacher(job_manifest) if job_manifest is not None else None
     if found is not None and spec.teacher.mlflow_model_uri and found[0].get("mlflowModelUri"):
         # not what latest (a stage, an alias) names now: the version the checkpoints were trained with
-        path = _teacher_of_resumed_job(spec, job_manifest, _recorded_mlflow_teacher(spec, *found))
+        path = _teacher_of_resumed_job(spec, found, _recorded_mlflow_teacher(spec, *found))
     else:
         path = resolve_teacher(spec, namespace)
         if job_manifest is not None:
             _check_not_in_own_job(field, path, job_manifest)
-            path = _teacher_of_resumed_job(spec, job_manifest, path)
+            path = _teacher_of_resumed_job(spec, found, path)
     try:
         kind = checkpoint.checkpoint_kind(path)  # before loading: a student's checkpoint may not even load as one
     except yaml.YAMLError as e:

@@ -150,7 +150,6 @@ class UserRepresentation:
         return out, torch.cat([user, seeds], dim=1).float()
 
 
-@torch.no_grad()
 def _batches(examples: Examples, max_seq_len: int, batch_size: int, max_events: int) -> Iterator[np.ndarray]:
     """Consecutive example indices, at most batch_size examples and max_events kept events (one example at least)."""
     kept = np.minimum(examples.seq_lengths, max_seq_len)
@@ -163,6 +162,7 @@ def _batches(examples: Examples, max_seq_len: int, batch_size: int, max_events: 
         lo = hi
 
 
+@torch.no_grad()
 def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LOG_BATCH, kind: str = "tokens",
                    logits: bool = True, max_events: int = LOG_EVENTS) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(user embeddings [N, dim], teacher logits per task [N]) for every example, in example order.
