@@ -79,21 +79,6 @@ def _ne(y: np.ndarray, logit: np.ndarray) -> float:
     return normalized_entropy(y, 1.0 / (1.0 + np.exp(-logit)))
 
 
-def user_segments(scorer, train, num_segments: int, *, until: float) -> dict[int, int]:
-    """Segments: k-means of the FM's user representation at each user's latest train-split impression
-    before `until`. The train split spans the replay's month, so a later impression is a user state from
-    the future of the requests measured after `until`; a user with none before it has no segment."""
-    from gem.solaris.scorer import kmeans_segments
-
-    known = np.flatnonzero(train.request_time < until)
-    order = known[np.argsort(train.request_time[known], kind="stable")]
-    last = dict(zip(train.user_id[order].tolist(), order.tolist()))
-    users = np.array(sorted(last))
-    rows = np.array([last[u] for u in users.tolist()])
-    _, embs = scorer.score(train, rows, train.ad_id[rows])
-    return dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
-
-
 def replay_service(scorer, world, stream, segments: dict[int, int], *, ttl_s: float, version: str, per_user: int):
     """The Solaris service the replay drives: empty store, predictor and user states (it observes the stream)."""
     from gem.solaris.fallback import HierarchicalLookup
@@ -171,7 +156,7 @@ def replay(ckpt: str, data: dict, *, stream_size: int, ttl_s: float, tick_s: flo
     from gem.data.synthetic import SyntheticWorld
     from gem.loopfm.logging import model_version_of
     from gem.solaris.fallback import TIERS
-    from gem.solaris.scorer import FMScorer
+    from gem.solaris.scorer import FMScorer, user_segments
     from gem.train.checkpoint import load_model
 
     model, _ = load_model(ckpt)

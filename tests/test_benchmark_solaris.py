@@ -84,8 +84,10 @@ def test_segments_are_learnt_from_user_states_before_the_measured_requests(tiny)
     until = float(stream.request_time[0]) + 5 * DAY
     past = slice_examples(train, np.flatnonzero(train.request_time < until))
     assert len(past) < len(train)
-    segments = solaris.user_segments(scorer, train, 4, until=until)
-    assert segments == solaris.user_segments(scorer, past, 4, until=until)  # later impressions change nothing
+    from gem.solaris.scorer import user_segments
+
+    segments = user_segments(scorer, train, 4, until=until)
+    assert segments == user_segments(scorer, past, 4, until=until)  # later impressions change nothing
     assert set(segments) == set(past.user_id.tolist())  # a user first seen after `until` has no segment
 
 

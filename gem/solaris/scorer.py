@@ -39,11 +39,15 @@ class FMScorer:
         self.campaign_advertiser = campaign_advertiser
         self.batch_size = batch_size  # scoring runs under no_grad (thread-local), never disabling grad globally
 
-    def score(self, context: Examples, rows: np.ndarray, ads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(values [N, 2] = FM logits (click, conversion), user embeddings [N, D]) for context rows x ads."""
+    def score(self, context: Examples, rows: np.ndarray, ads: np.ndarray, *,
+              quality: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(values [N, 2] = FM logits (click, conversion), user embeddings [N, D]) for context rows x ads.
+
+        quality: `mean_ad_quality(context, ...)`, when the caller scores one context in several calls."""
         rows, ads = np.asarray(rows, np.int64), np.asarray(ads, np.int64)
         values, embs = [], []
-        quality = mean_ad_quality(context, len(self.ad_campaign)) if len(rows) else None
+        if quality is None and len(rows):
+            quality = mean_ad_quality(context, len(self.ad_campaign))
         for lo in range(0, len(rows), self.batch_size):
             r, a = rows[lo : lo + self.batch_size], ads[lo : lo + self.batch_size]
             batch = make_batch(context, r, max_seq_len=self.model.max_seq_len)
@@ -63,6 +67,18 @@ class FMScorer:
         if not values:
             return np.zeros((0, 2), np.float32), np.zeros((0, self.rep.dim), np.float32)
         return np.concatenate(values), np.concatenate(embs)
+
+
+def user_segments(scorer: FMScorer, context: Examples, num_segments: int, *, until: float = np.inf) -> dict[int, int]:
+    """{user: segment}: k-means of the FM's user representation at each user's latest impression in the
+    context before `until` (a user with none has no segment)."""
+    known = np.flatnonzero(context.request_time < until)
+    order = known[np.argsort(context.request_time[known], kind="stable")]
+    last = dict(zip(context.user_id[order].tolist(), order.tolist()))
+    users = np.array(sorted(last), np.int64)
+    rows = np.array([last[u] for u in users.tolist()], np.int64)
+    _, embs = scorer.score(context, rows, context.ad_id[rows])
+    return dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
 
 
 def kmeans_segments(embeddings: np.ndarray, k: int, *, iters: int = 15, seed: int = 0) -> np.ndarray:

@@ -41,7 +41,7 @@ import numpy as np
 from gem.data.synthetic import Examples
 from gem.solaris.fallback import TIERS, HierarchicalLookup
 from gem.solaris.predictor import DEFAULT_FORGET_AFTER_S, RequestPredictor
-from gem.solaris.scorer import FMScorer
+from gem.solaris.scorer import FMScorer, mean_ad_quality, user_segments
 from gem.solaris.store import PrecomputeStore
 
 log = logging.getLogger("gem.solaris")
@@ -113,22 +113,23 @@ class SolarisService:
         # the version live *before* scoring: values of a model swapped out meanwhile are refused by put
         version = version or self.store.version
         n, nonfinite, step = 0, self.store.nonfinite, self.scorer.batch_size
+        quality = mean_ad_quality(self.context, len(self.scorer.ad_campaign))  # once a round, not a batch
         for lo in range(0, len(pairs), step):
             if self.stopping.is_set():  # shutting down: the rest would be lost with the in-memory store anyway
                 log.info("precompute: stopping; %d of the round's %d pairs left unscored", len(pairs) - lo, len(pairs))
                 break
-            n += self._compute_batch(pairs[lo : lo + step], now, version)
+            n += self._compute_batch(pairs[lo : lo + step], now, version, quality)
         if self.store.nonfinite > nonfinite:
             log.warning("precompute: the store refused %d of %d pairs whose FM value or embedding is NaN/inf "
                         "(a diverged model?)", self.store.nonfinite - nonfinite, len(pairs))
         self.precomputed += n
         return n
 
-    def _compute_batch(self, pairs: list[tuple[int, int]], now: float, version: str) -> int:
+    def _compute_batch(self, pairs: list[tuple[int, int]], now: float, version: str, quality: np.ndarray) -> int:
         users = np.array([u for u, _ in pairs], np.int64)
         ads = np.array([a for _, a in pairs], np.int64)
         rows = np.array([self.user_row[u] for u in users.tolist()], np.int64)
-        values, embs = self.scorer.score(self.context, rows, ads)
+        values, embs = self.scorer.score(self.context, rows, ads, quality=quality)
         campaign = self.scorer.ad_campaign[ads]
         segment_of = self.lookup_.segment_of
         n = 0
@@ -339,18 +340,13 @@ def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: 
     user representations of the history's users; a user outside the history has no segment.
     """
     from gem.data.synthetic import SyntheticWorld
-    from gem.solaris.scorer import kmeans_segments
 
     require_synthetic_world(manifest.spec.data)
     world = SyntheticWorld(manifest.spec.data.synthetic)
     context = world.sample(manifest.spec.data.synthetic.num_train_examples, split=0)
     scorer = FMScorer(model, ad_campaign=world.ad_campaign, campaign_advertiser=world.campaign_advertiser)
     # Segments: k-means over each user's FM representation at their latest impression.
-    order = np.argsort(context.request_time, kind="stable")
-    last = dict(zip(context.user_id[order].tolist(), order.tolist()))
-    users = np.array(sorted(last), np.int64)
-    _, embs = scorer.score(context, np.array([last[u] for u in users.tolist()]), context.ad_id[[last[u] for u in users.tolist()]])
-    seg = dict(zip(users.tolist(), kmeans_segments(embs, num_segments).tolist()))
+    seg = user_segments(scorer, context, num_segments)
 
     def segment_of(u: int) -> int | None:
         return seg.get(u)  # None for a user k-means never saw: no segment's mean is theirs
@@ -371,6 +367,7 @@ def build_service(model, manifest, *, ttl_s: float = 24 * 3600.0, num_segments: 
     service = SolarisService(scorer=scorer, context=context, store=store, predictor=predictor, lookup=lookup,
                              clock=clock, **kw)
     if warmup:
+        order = np.argsort(context.request_time, kind="stable")
         recent = order[context.request_time[order] >= end - service.active_window_s]
         predictor.observe_many(context.user_id[recent], context.ad_id[recent], context.request_time[recent])
     return service
