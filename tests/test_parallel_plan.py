@@ -465,3 +465,16 @@ def test_auto_plan_ep_in_a_node_means_its_groups_divide_the_node():
     plan, why = auto_plan(24, sim(24, 6, [("block", 2)]), ModelShapeHints(num_experts=4))
     assert plan.ep == 2 and "inside one node" in why
     assert all(g[0] // 6 == g[-1] // 6 for g in plan.group_ranks("ep"))
+
+
+def test_a_given_ep_that_does_not_divide_the_experts_names_the_field_and_the_fix():
+    """A spec ep that splits 6 experts over 4 ranks was accepted (the operator rendered the job) and the
+    trainer then died in parallelize with a bare ValueError; the plan check now refuses it by name."""
+    topo = Topology.build(procs_per_node=4, num_nodes=1)
+    with pytest.raises(PlanError, match=r"ep=4 \(given in spec\.parallelism\.plan\) .*6 dense experts.*1, 2, 3 or 6") as e:
+        auto_plan(4, topo, ModelShapeHints(num_experts=6), zero_stage=2, fixed={"ep": 4})
+    assert (e.value.dimension, e.value.degree, e.value.world_size) == ("ep", 4, 4)
+    plan, _ = auto_plan(4, topo, ModelShapeHints(num_experts=6), zero_stage=2, fixed={"ep": 2})
+    assert plan.ep == 2
+    plan, _ = auto_plan(4, topo, ModelShapeHints(), zero_stage=2, fixed={"ep": 4})  # no experts known: warned later
+    assert plan.ep == 4

@@ -474,6 +474,7 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
     # ep: activations all-gathered and reduce-scattered around every expert layer -> fastest links.
     ep = fixed.get("ep", 1)
     if "ep" in fixed:
+        _check_given_ep(ep, hints.num_experts, world_size, given)
         why.append(f"ep={ep}: {given}")
     elif hints.num_experts > 1 and "ep" in allowed:
         cands = [d for d in _divisors(hints.num_experts) if d * cp * tp <= block and block % (d * cp * tp) == 0
@@ -543,6 +544,17 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
                         tp=tp, sparse_shard=sparse, zero_stage=zero_stage)
     plan.validate(topology)
     return plan, "; ".join(why)
+
+
+def _check_given_ep(ep: int, num_experts: int, world_size: int, given: str) -> None:
+    """A given ep must split the model's experts evenly: parallelize would refuse it on every rank at setup,
+    after the operator had accepted the spec (0 or 1 experts: nothing to split, parallelize warns)."""
+    if num_experts > 1 and ep > 1 and num_experts % ep:
+        options = [str(d) for d in _divisors(num_experts)]
+        raise PlanError(
+            f"ep={ep} ({given}) cannot split the model's {num_experts} dense experts evenly over the ranks of an "
+            f"expert-parallel group; set ep to {', '.join(options[:-1])} or {options[-1]} (world size {world_size})",
+            dimension="ep", degree=ep, world_size=world_size)
 
 
 # What DeepSpeed 0.19 does with the split (gem/parallel/comm_model.py cites its source): ZeRO partitions
