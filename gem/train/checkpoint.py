@@ -62,6 +62,7 @@ MANIFEST_FILE = "gem.yaml"
 STATE_FILE = "trainer_state.json"
 SHARDS_DIR = "shards"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_LEFTOVER = re.compile(r"^(?:\.tmp-)?step-(\d{8})$")  # a step dir, or its save in progress
 
 
 #: Set by the operator to the checkpoint volume's mount path; wins over spec.checkpoint.path, so the
@@ -423,7 +424,7 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
 def _publish(tmp: Path, final: Path, step: int) -> None:
     """Durably turn the filled temp dir into a complete checkpoint: data, then name, then COMPLETE."""
     _fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)  # renamed but not yet marked before a crash
+    _remove(final)  # renamed but not yet marked before a crash, or a newer one that did not load
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     _fsync_write(final / COMPLETE, json.dumps({"step": step}) + "\n")
@@ -431,8 +432,31 @@ def _publish(tmp: Path, final: Path, step: int) -> None:
 
 
 def prune(job: Path, keep_last: int) -> None:
-    for old in complete_checkpoints(job)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Delete all but the newest keep_last complete checkpoints, and the leftovers older than the newest
+    (a directory whose deletion or publication was cut short, a crashed save's temp dir)."""
+    complete = complete_checkpoints(job)
+    for old in complete[:-keep_last]:
+        _remove(old)
+    if not complete:
+        return
+    newest = int(_STEP_DIR.match(complete[-1].name).group(1))
+    for path in job.iterdir():
+        m = _LEFTOVER.match(path.name)
+        if m and int(m.group(1)) < newest and not (path / COMPLETE).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint directory, its COMPLETE marker first: rmtree removes files in directory
+    order, and a kill -9 part-way through must leave a directory that is not a checkpoint, not one
+    marked complete with files missing (without rng/ it resumes with fresh RNG; without gem.yaml every
+    restart fails). Never raises: prune runs where the other ranks wait in a collective."""
+    try:
+        (ckpt / COMPLETE).unlink(missing_ok=True)
+    except OSError as e:  # rmtree below fails the same way; the directory stays a checkpoint
+        log.warning("could not remove %s: %s", ckpt, e)
+        return
+    shutil.rmtree(ckpt, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- load
