@@ -212,6 +212,36 @@ def test_expert_parallel_equals_the_whole_ensemble():
             assert all(res.values()), (combine, res)
 
 
+def test_size_exchanges_run_on_the_device_of_the_data(monkeypatch):
+    """NCCL takes only CUDA tensors: the row counts that expert parallelism and row-sharded embeddings
+    exchange before their data must sit on the data's device, not the CPU (every ep / sparse_shard step on
+    GPUs failed with "No backend type associated with device type cpu"). Meta stands in for CUDA here:
+    the fake collective records the devices it is handed and stops the forward."""
+    seen: list[torch.device] = []
+
+    class Reached(Exception):
+        pass
+
+    def collective(*args, **kwargs):
+        seen.extend(t.device for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor))
+        raise Reached
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_gather", collective)
+    monkeypatch.setattr(dist, "all_to_all_single", collective)
+
+    ens = nn.Module()
+    ens.experts, ens.expert_combine = nn.ModuleList([nn.Linear(3, 2) for _ in range(2)]), "sum"
+    emb = RowShardedEmbedding(37, 3, group=None)
+    for forward, data in ((ExpertParallel(ens, None), torch.empty(4, 3, device="meta")),
+                          (emb, torch.empty(4, 5, dtype=torch.int64, device="meta"))):
+        seen.clear()
+        with pytest.raises(Reached):
+            forward(data)
+        assert seen and all(d.type == "meta" for d in seen), (type(forward).__name__, seen)
+
+
 # ---------------------------------------------------------------------------- sharded embedding
 
 

@@ -65,7 +65,7 @@ class ExpertParallel(nn.Module):
             setattr(p, GRAD_GROUP_ATTR, "expert_data")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sizes = gather_sizes(x.shape[0], self.group)  # examples held by each EP rank
+        sizes = gather_sizes(x.shape[0], self.group, x.device)  # examples held by each EP rank
         x_all = all_gather_rows(x, self.group, sizes)  # [ΣB, ...]
         outs = [e(x_all) for e in self.experts]  # E/ep x [ΣB, ..., d_out]
         if self.combine == "concat":
@@ -94,7 +94,7 @@ def is_stacked_experts(module: nn.Module) -> bool:
 
 def _stacked_forward(self, z: torch.Tensor) -> torch.Tensor:
     group = self._gem_ep_group
-    sizes = gather_sizes(z.shape[0], group)
+    sizes = gather_sizes(z.shape[0], group, z.device)
     z_all = all_gather_rows(z, group, sizes)  # [ΣB, ...] the group's examples
     out = self.forward_experts(z_all)  # [ΣB, M/ep, ...] this rank's experts (its parameters hold only those)
     mine = all_to_all_rows(out, sizes, [z.shape[0]] * len(sizes), group)  # [ep * B, M/ep, ...]

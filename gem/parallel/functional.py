@@ -31,10 +31,10 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
-def gather_sizes(n: int, group) -> list[int]:
-    """Every rank's n, in group order."""
-    t = torch.tensor([n], dtype=torch.int64)
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(_size(group))]
+def gather_sizes(n: int, group, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's n, in group order. `device`: the data's (NCCL groups take only CUDA tensors)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_size(group))]
     dist.all_gather(out, t, group=group)
     return [int(o) for o in out]
 
@@ -117,7 +117,7 @@ def all_gather_rows(x: torch.Tensor, group, sizes: list[int] | None = None) -> t
     """Concatenate every rank's rows in group order; backward reduce-scatters (sums) the gradient."""
     if _size(group) == 1:
         return x
-    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], group)
+    sizes = sizes if sizes is not None else gather_sizes(x.shape[0], group, x.device)
     return _AllGatherRows.apply(x, sizes, group)
 
 

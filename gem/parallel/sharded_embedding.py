@@ -29,16 +29,15 @@ from gem.parallel.functional import all_to_all_rows
 
 class _AllToAllIds:
     @staticmethod
-    def exchange(ids: torch.Tensor, send: list[int], group) -> tuple[torch.Tensor, list[int]]:
-        """Send consecutive id blocks to each rank; return the ids received and their counts."""
-        n = dist.get_world_size(group)
-        send_t = torch.tensor(send, dtype=torch.int64)
-        recv_t = torch.empty(n, dtype=torch.int64)
-        dist.all_to_all_single(recv_t, send_t, group=group)
-        recv = recv_t.tolist()
+    def exchange(ids: torch.Tensor, send: torch.Tensor, group) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Send consecutive id blocks of `send` [n] ids to each rank; return the ids received, the counts sent
+        and received. The counts stay on the ids' device until both are exchanged: NCCL takes no CPU tensors."""
+        recv_t = torch.empty_like(send)
+        dist.all_to_all_single(recv_t, send, group=group)
+        send_l, recv = send.tolist(), recv_t.tolist()
         out = ids.new_empty(sum(recv))
-        dist.all_to_all_single(out, ids.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out, recv
+        dist.all_to_all_single(out, ids.contiguous(), output_split_sizes=recv, input_split_sizes=send_l, group=group)
+        return out, send_l, recv
 
 
 class RowShardedEmbedding(nn.Module):
@@ -84,8 +83,9 @@ class RowShardedEmbedding(nn.Module):
         n = dist.get_world_size(self.group)
         owner = torch.div(flat, self.rows_per_shard, rounding_mode="floor")  # [N]
         order = torch.argsort(owner, stable=True)  # ids grouped by owning rank
-        send = torch.bincount(owner, minlength=n).tolist()
-        wanted, recv = _AllToAllIds.exchange(flat[order], send, self.group)  # ids others want from me
+        ones = torch.ones_like(owner, dtype=torch.int64)
+        send = torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, owner, ones)  # ids per owner
+        wanted, send, recv = _AllToAllIds.exchange(flat[order], send, self.group)  # ids others want from me
         rows = F.embedding(wanted - self.row_offset, self.weight)  # [Σrecv, d]
         mine = all_to_all_rows(rows, recv, send, self.group)  # [N, d] in `order`
         out = torch.empty_like(mine).index_copy(0, order, mine) if flat.numel() else mine
