@@ -478,3 +478,16 @@ def test_a_given_ep_that_does_not_divide_the_experts_names_the_field_and_the_fix
     assert plan.ep == 2
     plan, _ = auto_plan(4, topo, ModelShapeHints(), zero_stage=2, fixed={"ep": 4})  # no experts known: warned later
     assert plan.ep == 4
+
+
+def test_sparse_reason_counts_the_context_parallel_ranks_among_the_data_ranks():
+    """Row shards range over dp x cp data ranks: the reason said "replicated 0x" for one shard group over a
+    node with cp=2 (it divided the ranks without cp by a shard count with it)."""
+    plan, why = auto_plan(4, Topology.build(procs_per_node=4, num_nodes=1), ModelShapeHints(max_seq_len=20000))
+    assert (plan.cp, plan.sparse_shard) == (2, 4) and "sharded over 4 data ranks" in why and "replicated 1x" in why
+    plan, why = auto_plan(16, sim(16, 4, [("block", 2)]), ModelShapeHints(max_seq_len=20000))
+    assert (plan.cp, plan.dp_replicate, plan.sparse_shard) == (2, 2, 8) and "replicated 2x" in why
+    # tables that need more shards than dp ranks alone hold get them from the cp ranks too
+    need_all = ModelShapeHints(max_seq_len=20000, sparse_params=16 * 2**30, gpu_memory_bytes=16 * 2**30)
+    plan, why = auto_plan(16, sim(16, 4, [("block", 2)]), need_all)
+    assert plan.sparse_shard == 16 and "replicated 1x" in why

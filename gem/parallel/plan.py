@@ -526,16 +526,17 @@ def auto_plan(world_size: int, topology: Topology, hints: ModelShapeHints = Mode
 
     # sparse: row-wise shards inside the shard group (all-to-all stays in the block) unless too big.
     sparse = fixed.get("sparse_shard", dp_shard * cp if "sparse_shard" in allowed else 1)
+    data_ranks = data_world * cp  # what row shards range over: cp peers are data ranks too (plan.data_world)
     if "sparse_shard" in fixed:
         why.append(f"sparse_shard={sparse}: {given}")
     elif hints.sparse_params and "sparse_shard" in allowed:
         budget = hints.gpu_memory_bytes * STATE_MEMORY_FRACTION
         need = math.ceil(hints.sparse_params * SPARSE_BYTES_PER_ELEMENT / budget)
         if need > sparse:
-            sparse = min((d for d in _divisors(data_world) if d >= need), default=data_world)
+            sparse = min((d for d in _divisors(data_ranks) if d >= need), default=data_ranks)
     if "sparse_shard" not in fixed:
         why.append(f"sparse_shard={sparse}: embedding rows are sharded over {sparse} data ranks "
-               f"(inside one {_level_for(topology, sparse * tp)}) and replicated {data_world // sparse}x"
+               f"(inside one {_level_for(topology, sparse * tp)}) and replicated {data_ranks // sparse}x"
                if sparse > 1 else "sparse_shard=1: embedding tables are replicated" +
                ("" if "sparse_shard" in allowed else
                 f" ({why_not.get('sparse_shard', 'row sharding is not available here')})"))
