@@ -491,3 +491,19 @@ def test_sparse_reason_counts_the_context_parallel_ranks_among_the_data_ranks():
     need_all = ModelShapeHints(max_seq_len=20000, sparse_params=16 * 2**30, gpu_memory_bytes=16 * 2**30)
     plan, why = auto_plan(16, sim(16, 4, [("block", 2)]), need_all)
     assert plan.sparse_shard == 16 and "replicated 1x" in why
+
+
+def test_a_degree_the_spec_left_out_is_not_reported_as_given():
+    """On the DeepSpeed path sparse_shard stays 1 unless given; with another degree given, status.parallelPlan's
+    reason said "sparse_shard=1: given in spec.parallelism.plan" for a spec that never named it."""
+    from gem.api.types import TrainingSpec
+    from gem.parallel.job import plan_for_job
+    from gem.parallel.plan import DEEPSPEED_DIMS
+
+    par = ParallelismSpec(num_nodes=1, procs_per_node=4, zero_stage=2, plan=ParallelPlanSpec(cp=2))
+    job = plan_for_job(par, TrainingSpec(), world_size=4, procs_per_node=4, hints=ModelShapeHints(),
+                       allowed=DEEPSPEED_DIMS, env={})
+    assert (job.plan.cp, job.plan.sparse_shard, job.chosen) == (2, 1, "spec")
+    assert "cp=2: given in spec.parallelism.plan" in job.reason
+    assert "sparse_shard=1: given" not in job.reason
+    assert "sparse_shard=1: embedding tables are replicated (row sharding runs on the DeepSpeed path only" in job.reason

@@ -130,8 +130,6 @@ def choose_plan(parallelism, training, topology: Topology, *, hints: ModelShapeH
     why_not: dict[str, str] = {}
     if allowed == DEEPSPEED_DIMS:  # the DeepSpeed path: ep as well when this job's stage and precision run it
         allowed, why_not = deepspeed_auto_dims(parallelism.zero_stage, getattr(training, "precision", "fp32"))
-    if "sparse_shard" not in allowed and fixed and "sparse_shard" not in fixed:
-        fixed["sparse_shard"] = 1  # unsharded tables where the path cannot shard them
     plan, reason = auto_plan(topology.world_size, topology, hints, zero_stage=parallelism.zero_stage,
                              allowed=allowed, fixed=fixed, given=source or GIVEN, why_not=why_not)
     if allowed != DIMS:  # the DeepSpeed path: its rules, the precision one included (ep / sparse_shard need fp32)
