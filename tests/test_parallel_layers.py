@@ -400,3 +400,62 @@ def test_select_examples_agrees_for_both_batch_layouts():
 
     got, want = flat(select_examples(inputs, index)), flat(from_v1_batch(sub))
     assert len(got) == len(want) > 10 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------------------- tp with ep
+
+
+class _MLPExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _MLPEnsemble(nn.Module):
+    expert_combine = "sum"
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(_MLPExpert() for _ in range(2))
+
+    def forward(self, x):
+        return sum(e(x) for e in self.experts)
+
+
+class _ExpertModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ens, self.mlp = _MLPEnsemble(), _MLPExpert()  # the MLP outside the ensemble: tp splits it
+
+    def forward(self, x):
+        return self.mlp(self.ens(x))
+
+
+def _tp_ep(rank: int, world: int) -> dict:
+    from gem.parallel.mesh import build_mesh
+    from gem.parallel.parallelize import full_state_dict, parallelize
+    from gem.parallel.plan import ParallelPlan
+
+    torch.manual_seed(0)
+    model = _ExpertModel()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2 * world, 4)
+    want = model(x)
+    plan = ParallelPlan(world_size=world, dp_shard=2, ep=2, tp=2, sparse_shard=1)
+    mesh = build_mesh(plan)
+    parallelize(model, plan, mesh)
+    d = plan.coords(rank)["dp_shard_mod_ep"] * 2 + plan.coords(rank)["ep"]  # this rank's examples
+    got = full_state_dict(model, mesh)
+    return {"tp": model.gem_parallel.tensor_parallel, "state": set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref),
+            "out": _close(model(x[2 * d:2 * d + 2]), want[2 * d:2 * d + 2])}
+
+
+def test_tensor_parallel_leaves_experts_whole_when_expert_parallel_splits_them():
+    """tp=2 x ep=2 with MLP-shaped experts: tp split the experts' fc1/fc2 too, and the consolidated state
+    (full_state_dict, model.pt) then held half-width expert weights under the full names. The experts
+    stay whole (ep splits them); the MLP outside the ensemble is still split."""
+    for res in run_distributed(_tp_ep, 4):
+        assert res["tp"] == ["mlp.fc1", "mlp.fc2"] and res["state"] and res["out"], res

@@ -65,8 +65,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, *,
         raise ValueError(f"the mesh was built for {mesh.plan.describe()}, not {plan.describe()}")
     applied = Applied()
     if plan.tp_enabled:
+        # With ep, experts stay whole under tp: ExpertParallel and full_state_dict treat them as unsplit
+        # matrices, and the shard optimizer counts each expert once per tp peer (gem/train/optim.py).
+        ensembles = _expert_ensembles(model) if plan.ep_enabled else []
         applied.tensor_parallel = apply_tensor_parallel(model, mesh.get_group("tp"),
-                                                        tp_plan if tp_plan is not None else tp_plan_for(model, plan.tp))
+                                                        tp_plan if tp_plan is not None else tp_plan_for(model, plan.tp),
+                                                        exclude=ensembles)
         if not applied.tensor_parallel:
             applied.warnings.append(f"tp={plan.tp} has no effect: no layer of the model's tp plan (or MLP: fc1/fc2 "
                                     f"Linear pair) divisible by {plan.tp}")
@@ -89,6 +93,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, *,
         log.warning("%s", w)
     model.gem_parallel = applied
     return model
+
+
+def _expert_ensembles(model: nn.Module) -> list[str]:
+    """Names of the dense expert ensembles expert parallelism will split (what apply_expert_parallel finds)."""
+    from gem.parallel.expert_parallel import is_expert_ensemble, is_stacked_experts
+
+    return [name for name, mod in model.named_modules()
+            if name and (is_expert_ensemble(mod) or is_stacked_experts(mod))]
 
 
 def grad_group(param: torch.Tensor) -> str:

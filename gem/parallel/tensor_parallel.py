@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -244,14 +244,18 @@ def tp_split_shape(model: nn.Module, max_degree: int = 64) -> tuple[int, int]:
     return width, units
 
 
-def apply_tensor_parallel(model: nn.Module, group, plan: Mapping[str, str]) -> list[str]:
+def apply_tensor_parallel(model: nn.Module, group, plan: Mapping[str, str], *,
+                          exclude: Sequence[str] = ()) -> list[str]:
     """Replace the nn.Linear modules named by `plan` (fnmatch patterns -> colwise|rowwise) in place.
 
-    Returns the names replaced. A colwise layer must feed a rowwise one through elementwise ops
-    only: that is what keeps the hidden activations split and the forward to one all-reduce.
+    Returns the names replaced; modules under a name in `exclude` are left whole. A colwise layer must
+    feed a rowwise one through elementwise ops only: that is what keeps the hidden activations split
+    and the forward to one all-reduce.
     """
     done = []
     for name, mod in list(model.named_modules()):
+        if any(name.startswith(prefix + ".") for prefix in exclude):
+            continue
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or not isinstance(mod, nn.Linear):
             continue
