@@ -203,3 +203,23 @@ def test_shard_optimizer_counts_each_shard_once_in_the_global_norm(plan_kwargs, 
                if name.startswith("experts.") or name == "user.weight")
     got = run_distributed(_shard_norm_sq, 4, plan_kwargs)
     assert got == pytest.approx([want] * 4, rel=1e-5)
+
+
+def test_shard_optimizer_reduces_the_norm_on_the_shards_device(monkeypatch):
+    """NCCL groups take only CUDA tensors: the shards' squared norm is all-reduced on their device, not the
+    CPU (every ep / sparse_shard step on GPUs failed in ShardOptimizer.sync). Meta stands in for CUDA; the
+    fake all_reduce records the device it is handed."""
+    import gem.parallel.parallelize as parallelize_mod
+    from gem.train.optim import ShardOptimizer
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device))
+    monkeypatch.setattr(parallelize_mod, "sync_parameter_gradients", lambda params, mesh: None)
+    shard = nn.Parameter(torch.empty(3, 2, device="meta"))
+    shard.grad = torch.empty(3, 2, device="meta")
+    opt = object.__new__(ShardOptimizer)  # only sync's state: no mesh or optimizer needed
+    opt.shards, opt.copies, opt.mesh = [shard], [1], None
+    opt.sync()
+    assert [d.type for d in seen] == ["meta"]

@@ -103,9 +103,10 @@ class ShardOptimizer:
         from gem.parallel.parallelize import sync_parameter_gradients
 
         sync_parameter_gradients(self.shards, self.mesh)
-        local = torch.zeros((), dtype=torch.float64)
+        # on the shards' device: NCCL groups take no CPU tensors
+        local = torch.zeros((), dtype=torch.float64, device=self.shards[0].device if self.shards else "cpu")
         for p, copies in zip(self.shards, self.copies):
-            local += p.grad.detach().double().pow(2).sum().cpu() / copies
+            local += p.grad.detach().double().pow(2).sum() / copies
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         self._norm_sq = local.float()
