@@ -222,6 +222,28 @@ def test_a_zero_stage_override_is_refused_by_the_trainer_too():
     assert deepspeed_config(training, ParallelismSpec(zeroStage=3), world_size=1)["zero_optimization"]["stage"] == 3
 
 
+def test_an_hpz_override_that_differs_from_the_plan_is_refused():
+    """zero_hpz_partition_size merged over the plan's: the trainer points DeepSpeed's hpZ group at the plan's
+    dp_shard group, so another size contradicted that group (or made DeepSpeed build its own across it)."""
+    from gem.api.types import ParallelismSpec, TrainingSpec
+    from gem.parallel.plan import ParallelPlan
+    from gem.train.dist import deepspeed_config
+
+    hsdp = ParallelPlan.from_config({"dpReplicate": 2, "dpShard": 2}, world_size=4, zero_stage=3)
+    flat = ParallelPlan.from_config({"dpShard": 4}, world_size=4, zero_stage=3)
+    parallelism = ParallelismSpec(zeroStage=3, numNodes=1, procsPerNode=4)
+
+    def config(hpz, plan):
+        training = TrainingSpec.model_validate({"deepspeed": {"zero_optimization": {"zero_hpz_partition_size": hpz}}})
+        return deepspeed_config(training, parallelism, world_size=4, plan=plan)
+
+    assert config(2, hsdp)["zero_optimization"]["zero_hpz_partition_size"] == 2  # agrees: merged
+    for hpz, plan, planned in ((4, hsdp, 2), (2, flat, 1)):
+        with pytest.raises(SpecError, match=rf"^spec\.training\.deepspeed\.zero_optimization\.zero_hpz_partition_size: "
+                                            rf"{hpz} differs from the parallel plan's {planned} .*spec\.parallelism\.plan\.dpShard"):
+            config(hpz, plan)
+
+
 @pytest.mark.parametrize(("override", "named"), [({"zero_optimization": {"stagee": 2}}, "stagee"),
                                                ({"nebula": {"enabled": True}}, "nebula")])
 def test_an_override_deepspeed_refuses_is_a_config_error_naming_training_deepspeed(tmp_path, capsys, override, named):

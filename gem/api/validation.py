@@ -146,12 +146,14 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled", False))
 
 
-def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any]) -> list[tuple[str, str]]:
+def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, Any], *,
+                                hpz: int | None = None) -> list[tuple[str, str]]:
     """(spec.training.deepspeed.<key>, problem) for each override that differs from the `derived`
     config: a batch key, gradient_clipping or zero_optimization.stage `derived` holds, optimizer /
     scheduler (which DeepSpeed ignores next to the trainer's), a precision section whose `enabled` differs (a section
     that agrees, e.g. bf16.enabled true with precision bf16, is merged as any other key), or amp /
-    torch_autocast / data_types that would train in another dtype (_dtype_override_problems)."""
+    torch_autocast / data_types that would train in another dtype (_dtype_override_problems).
+    `hpz`: the parallel plan's hpZ partition size (1: none), where a plan is known (the trainer's setup)."""
     problems = []
     for key, fix in {**DEEPSPEED_BATCH_KEYS, **DEEPSPEED_SPEC_KEYS}.items():
         if key in overrides and key in derived and overrides[key] != derived[key]:
@@ -168,6 +170,13 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
         value = zero.get("stage") if isinstance(zero, dict) else zero
         problems.append((where, f"{value!r} differs from the trainer's {stage!r}; remove it and set "
                                 "spec.parallelism.zeroStage"))
+    given_hpz = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
+    if hpz is not None and given_hpz != hpz:
+        # the trainer hands DeepSpeed the plan's dp_shard group as the hpZ group (prepare_deepspeed):
+        # another partition size would contradict the group, or make DeepSpeed build its own across it
+        problems.append(("spec.training.deepspeed.zero_optimization.zero_hpz_partition_size",
+                         f"{given_hpz!r} differs from the parallel plan's {hpz!r} (dpShard at ZeRO-3 with "
+                         "dpReplicate > 1, else 1); remove it and set spec.parallelism.plan.dpShard"))
     for key in DEEPSPEED_PRECISION_KEYS:
         if key not in overrides:
             continue

@@ -199,17 +199,18 @@ def deepspeed_config(training: TrainingSpec, parallelism: ParallelismSpec, *, wo
         config = _merge(config, deepspeed_config_fragment(plan, micro_batch_size=training.batch_size))
     overrides, _ = deepspeed_overrides(training.deepspeed)
     if overrides:
-        _check_overrides(overrides, config)
+        hpz = None if plan is None else config["zero_optimization"].get("zero_hpz_partition_size", 1)
+        _check_overrides(overrides, config, hpz=hpz)
         config = _merge(config, overrides)
     return config
 
 
-def _check_overrides(overrides: dict[str, Any], derived: dict[str, Any]) -> None:
+def _check_overrides(overrides: dict[str, Any], derived: dict[str, Any], *, hpz: int | None = None) -> None:
     """Refuse training.deepspeed keys that differ from the config the trainer derived (a SpecError).
 
     The comparison is gem.api.validation's, which the operator and `gemctl --local` run from the spec
     alone; here it runs again with this run's plan and world size (torchrun by hand may differ from
     the spec's numNodes x procsPerNode, and the plan's tp sets the data-parallel ranks)."""
-    problems = deepspeed_override_problems(overrides, derived)
+    problems = deepspeed_override_problems(overrides, derived, hpz=hpz)
     if problems:
         raise SpecError("; ".join(f"{where}: {problem}" for where, problem in problems))
