@@ -228,21 +228,40 @@ def test_mxfp8_resume_matches_an_uninterrupted_run_and_gem_eval_reproduces_it(tm
         assert evaluated["metrics"][key] == pytest.approx(straight["metrics"][key], abs=1e-6), key
 
 
-@pytest.mark.parametrize("capability,warned", [((9, 0), True), ((10, 0), False)])
-def test_mxfp8_on_a_gpu_without_mx_kernels_warns_that_it_is_emulated(monkeypatch, caplog, capability, warned):
+@pytest.mark.parametrize("capability,cuda,kernels,warned", [
+    ((9, 0), "12.8", True, "sm_90"),  # H100: no MX tensor cores
+    ((10, 0), "12.6", True, "CUDA 12.6"),  # B200 under a CUDA 12.6 torch (the trainer image's default base)
+    ((10, 0), "12.8", False, "Triton"),  # torchao defined no MX cast kernels (no Triton)
+    ((10, 0), "12.8", True, None),  # B200, CUDA 12.8: the real kernels
+])
+def test_mxfp8_on_a_gpu_without_mx_kernels_warns_that_it_is_emulated(monkeypatch, caplog, capability, cuda, kernels,
+                                                                      warned):
     """An H100 (sm_90) runs mxfp8 emulated, slower than bf16: said at setup, not silently. A B200 (sm_100)
-    gets torchao's real kernels. (No GPU here: the device is only asked for its capability and name.)"""
+    gets torchao's real kernels only with a torch built for CUDA >= 12.8: torchao defines its MX cast kernels
+    only there (and with Triton), and its stubs raise "needs triton" at the first forward; before, any
+    sm_100 asked for them. (No GPU here: the device is only asked for its capability and name.)"""
     import logging
 
+    from torchao.prototype.mx_formats import kernels as mx_kernels
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from gem.train.precision import mx_kernel_preference
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(mx_kernels, "_triton_kernels_available", kernels, raising=False)
+    monkeypatch.setattr(mx_kernels, "_mxfp8_cuda_kernels_available", kernels, raising=False)
     model, _ = tiny_model_and_batch()
+    gpu = torch.device("cuda", 0)
     with caplog.at_level(logging.INFO, logger="gem.train"):
-        apply_precision(model, "mxfp8", device=torch.device("cuda", 0))
+        apply_precision(model, "mxfp8", device=gpu)
     warnings = [r.getMessage() for r in caplog.records if r.name == "gem.train" and r.levelno == logging.WARNING]
-    assert bool(warnings) == warned, warnings
+    assert bool(warnings) == bool(warned), warnings
+    assert mx_kernel_preference(gpu) == (KernelPreference.EMULATED if warned else KernelPreference.AUTO)
     if warned:
-        assert "sm_90" in warnings[0] and "emulated" in warnings[0] and "H100" in warnings[0]
+        assert warned in warnings[0] and "emulated" in warnings[0] and "B200" in warnings[0], warnings[0]
+    assert mx_kernel_preference(torch.device("cpu")) == KernelPreference.EMULATED
 
 
 def _fp32_masters_by_name(engine) -> dict:

@@ -15,9 +15,10 @@
   lifts the "tokens % 32 == 0" constraint of an MX weight gradient. Inputs arrive in bf16
   (the trainer runs mxfp8 under bf16 autocast); everything else stays bf16.
   Kernels: torchao's real MXFP8 GEMMs on GPUs that have them (compute capability >= 10.0,
-  e.g. B200); elsewhere (CPU, H100/H200) the emulated path (quantise -> dequantise -> bf16
-  matmul), which is numerically the same and useful for accuracy checks, not speed (on such a
-  GPU apply_precision logs a warning).
+  e.g. B200) with a torch built for CUDA >= 12.8 (`mx_kernels_missing`: torchao defines its MX
+  cast kernels only there); elsewhere (CPU, H100/H200, a CUDA 12.6 build) the emulated path
+  (quantise -> dequantise -> bf16 matmul), which is numerically the same and useful for accuracy
+  checks, not speed (on such a GPU apply_precision logs a warning).
   Tensor parallelism (gem/parallel/tensor_parallel.py) replaces the Linears it splits by their
   shards, which keep `MXFP8Linear.matmul` while their widths stay multiples of 32.
 
@@ -44,13 +45,42 @@ MX_SKIP_SUFFIX = "heads"
 MX_SKIP_NAMES = frozenset({"memory_score"})
 
 
+#: torch.version.cuda the real MXFP8 kernels need: torchao defines its MX cast kernels (Triton dim0,
+#: CUDA dim1) only from CUDA 12.8 on, and cuBLAS's block-scaled MX GEMM (torch._scaled_mm) came with it.
+MX_MIN_CUDA = (12, 8)
+
+
+def mx_kernels_missing(device: torch.device | None = None) -> str | None:
+    """Why torchao's real MXFP8 kernels cannot run on `device` (None: they can). They need a GPU with MX tensor
+    cores (compute capability >= 10.0, e.g. B200), a torch built for CUDA >= 12.8, and torchao's cast kernels
+    defined for it (it defines them at import, from the same checks and Triton's presence: on a build
+    without them its stubs raise "needs triton" at the first forward instead of running)."""
+    if device is None or device.type != "cuda":
+        return "not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 10:
+        return f"compute capability {major}.{minor} < 10.0"
+    cuda = torch.version.cuda
+    try:
+        built = tuple(int(v) for v in cuda.split(".")[:2]) if cuda else None
+    except ValueError:
+        built = None
+    if built is None or built < MX_MIN_CUDA:
+        return (f"torch is built for CUDA {cuda or 'none (ROCm?)'}, torchao's MXFP8 kernels need CUDA "
+                f">= {MX_MIN_CUDA[0]}.{MX_MIN_CUDA[1]}")
+    from torchao.prototype.mx_formats import kernels
+
+    if not (getattr(kernels, "_triton_kernels_available", False)
+            and getattr(kernels, "_mxfp8_cuda_kernels_available", False)):
+        return "torchao did not define its MXFP8 cast kernels for this setup (is Triton installed?)"
+    return None
+
+
 def mx_kernel_preference(device: torch.device | None = None) -> Any:
-    """AUTO (real kernels) on a GPU with MX tensor cores (sm100+), else EMULATED."""
+    """AUTO (real kernels) where torchao's MXFP8 kernels run (`mx_kernels_missing`), else EMULATED."""
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
-        return KernelPreference.AUTO
-    return KernelPreference.EMULATED
+    return KernelPreference.EMULATED if mx_kernels_missing(device) else KernelPreference.AUTO
 
 
 def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -142,13 +172,12 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | Non
              "multiples of %d: %s)", len(swapped), ", ".join(swapped[:8]) + ("..." if len(swapped) > 8 else ""),
              len(kept), MX_BLOCK, ", ".join(kept[:8]))
     if device is not None and device.type == "cuda":
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        if mx_kernel_preference(device) == KernelPreference.EMULATED:
+        missing = mx_kernels_missing(device)
+        if missing:
             # torchtitan refuses mxfp8 below sm100; here emulation stays allowed (accuracy checks), but said
             major, minor = torch.cuda.get_device_capability(device)
             log.warning("mxfp8 on %s (sm_%d%d): torchao's MXFP8 GEMMs need compute capability >= 10.0 "
-                        "(e.g. B200), so the MX numerics are emulated (quantise, dequantise, bf16 matmul): "
-                        "slower than bf16, right for accuracy checks only", torch.cuda.get_device_name(device),
-                        major, minor)
+                        "(e.g. B200) and a torch built for CUDA >= %d.%d; here %s, so the MX numerics are "
+                        "emulated (quantise, dequantise, bf16 matmul): slower than bf16, right for accuracy "
+                        "checks only", torch.cuda.get_device_name(device), major, minor, *MX_MIN_CUDA, missing)
     return model
