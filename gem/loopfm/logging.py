@@ -150,6 +150,12 @@ class UserRepresentation:
         return out, torch.cat([user, seeds], dim=1).float()
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where `model`'s weights are (its first parameter's device; the CPU for a model without any)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _batches(examples: Examples, max_seq_len: int, batch_size: int, max_events: int) -> Iterator[np.ndarray]:
     """Consecutive example indices, at most batch_size examples and max_events kept events (one example at least)."""
     kept = np.minimum(examples.seq_lengths, max_seq_len)
@@ -165,20 +171,23 @@ def _batches(examples: Examples, max_seq_len: int, batch_size: int, max_events: 
 @torch.no_grad()
 def embed_examples(model: nn.Module, examples: Examples, *, batch_size: int = LOG_BATCH, kind: str = "tokens",
                    logits: bool = True, max_events: int = LOG_EVENTS) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(user embeddings [N, dim], teacher logits per task [N]) for every example, in example order.
+    """(user embeddings [N, dim], teacher logits per task [N]) for every example, in example order, on the CPU
+    (numpy), the model run on the device its weights are on.
 
     logits=False skips the FM's forward where the representation does not need it ("history"),
     and returns no logits. A batch holds at most batch_size examples and max_events history events.
     """
     need_logits = logits or kind == "tokens"
     embs, out_logits = [], {"click": [], "conversion": []}
+    device = model_device(model)  # a teacher on a GPU scores there; its outputs come back to the CPU
     with UserRepresentation(model.eval(), kind) as rep:
         for idx in _batches(examples, model.max_seq_len, batch_size, max_events):
-            out, emb = rep(make_batch(examples, idx, max_seq_len=model.max_seq_len), logits=need_logits)
-            embs.append(emb.numpy())
+            batch = make_batch(examples, idx, max_seq_len=model.max_seq_len).to(device)
+            out, emb = rep(batch, logits=need_logits)
+            embs.append(emb.cpu().numpy())
             if logits:
                 for task in out_logits:
-                    out_logits[task].append(out[task].float().numpy())
+                    out_logits[task].append(out[task].float().cpu().numpy())
     return np.concatenate(embs), ({k: np.concatenate(v) for k, v in out_logits.items()} if logits else {})
 
 

@@ -202,10 +202,11 @@ class LoopFMTask:
         # collective: a rank that cannot load the teacher fails every rank, not only itself
         self.teacher, self.teacher_manifest, self.teacher_dir = load_teacher_on_every_rank(
             spec, manifest.metadata.namespace, job_manifest=manifest)
+        # on the training device before rank 0 logs the memory with it (log_stream runs it where its weights are)
+        self.teacher.to(device)
         self.memory, self.model_version = build_memory(self.teacher, self.teacher_dir, manifest, is_main=is_main)
         # the trainer saves this one: a reloaded student reads its memory version, a resumed run keeps its teacher
         self.manifest = with_memory_version(with_teacher(manifest, self.teacher_dir), self.model_version)
-        self.teacher.to(device)
         self.memory_dim = UserRepresentation(self.teacher, LOGGED_KIND).dim
         self.max_seq_len = max(self.teacher.max_seq_len, spec.student.max_seq_len)
         self.alpha = spec.distillation.alpha

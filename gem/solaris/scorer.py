@@ -18,7 +18,7 @@ from torch import nn
 
 from gem.data.batch import make_batch
 from gem.data.synthetic import DENSE_AD_QUALITY, Examples
-from gem.loopfm.logging import UserRepresentation
+from gem.loopfm.logging import UserRepresentation, model_device
 
 
 
@@ -60,10 +60,10 @@ class FMScorer:
             batch.ad_id = torch.from_numpy(a)
             batch.campaign_id = torch.from_numpy(campaign)
             batch.advertiser_id = torch.from_numpy(self.campaign_advertiser[campaign])
-            with torch.no_grad():
-                logits, emb = self.rep(batch)
-            values.append(torch.stack([logits["click"], logits["conversion"]], 1).float().numpy())
-            embs.append(emb.numpy())
+            with torch.no_grad():  # on the model's device (a GPU when it was moved there), values back on the CPU
+                logits, emb = self.rep(batch.to(model_device(self.model)))
+            values.append(torch.stack([logits["click"], logits["conversion"]], 1).float().cpu().numpy())
+            embs.append(emb.cpu().numpy())
         if not values:
             return np.zeros((0, 2), np.float32), np.zeros((0, self.rep.dim), np.float32)
         return np.concatenate(values), np.concatenate(embs)
