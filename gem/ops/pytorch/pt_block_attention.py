@@ -22,7 +22,7 @@ def pytorch_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     vp, _ = jagged_to_padded(v.float(), offsets)
     T = qp.shape[1]
     lead = block_leads(offsets.diff(), block_size, shift=shift, align=align)  # [B]
-    block_of = (torch.arange(T)[None, :] + lead[:, None]) // block_size  # [B, T]
+    block_of = (torch.arange(T, device=lead.device)[None, :] + lead[:, None]) // block_size  # [B, T]
     same_block = block_of[:, :, None] == block_of[:, None, :]  # [B, T, T]
     allowed = same_block & mask[:, None, :]  # [B, Tq, Tk]
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale  # [B, H, T, T]

@@ -31,8 +31,8 @@ def pytorch_gdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets
         qp, _ = jagged_to_padded(q.float(), q_offsets)  # [B, Tq, H, dh]
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp)  # [B, H, Tq, Tk]
     if window is not None:
-        i = torch.arange(scores.shape[2])[:, None]
-        j = torch.arange(scores.shape[3])[None, :]
+        i = torch.arange(scores.shape[2], device=scores.device)[:, None]
+        j = torch.arange(scores.shape[3], device=scores.device)[None, :]
         scores = torch.where((i - j).abs() <= window, scores, torch.zeros_like(scores))
     probs = torch.stack([ACTIVATIONS[activations[h]](scores[:, h]) for h in range(scores.shape[1])], dim=1)
     probs = probs * qk_scale * kmask[:, None, None, :]

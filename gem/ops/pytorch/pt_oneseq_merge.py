@@ -7,17 +7,21 @@ import torch
 
 def pytorch_oneseq_merge_index(timestamps: list[torch.Tensor], offsets: list[torch.Tensor],
                                max_seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (index into the concatenated inputs [ΣL'], merged offsets [B+1], source input [ΣL'])"""
+    """-> (index into the concatenated inputs [ΣL'], merged offsets [B+1], source input [ΣL']), on the
+    inputs' device. The loop runs on host copies read once (not one device sync per event)."""
+    device = offsets[0].device
     B = offsets[0].numel() - 1
     base = [0]
     for ts in timestamps:
         base.append(base[-1] + ts.numel())
+    times = [ts.tolist() for ts in timestamps]  # Python numbers, as .item() gives: fractional seconds order too
+    bounds = [off.tolist() for off in offsets]
     index, source, lengths = [], [], []
     for b in range(B):
         events = []  # (time, input, position-in-concatenation)
-        for i, (ts, off) in enumerate(zip(timestamps, offsets)):
-            for r in range(int(off[b]), int(off[b + 1])):
-                events.append((ts[r].item(), i, base[i] + r))  # not int(): fractional seconds order too
+        for i, (ts, off) in enumerate(zip(times, bounds)):
+            for r in range(off[b], off[b + 1]):
+                events.append((ts[r], i, base[i] + r))
         events.sort()  # by time, then input order, then original position
         if max_seq_len is not None:
             events = events[len(events) - min(len(events), max_seq_len):]  # the most recent
@@ -26,4 +30,5 @@ def pytorch_oneseq_merge_index(timestamps: list[torch.Tensor], offsets: list[tor
         lengths.append(len(events))
     merged_offsets = torch.zeros(B + 1, dtype=torch.int64)
     merged_offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return torch.tensor(index, dtype=torch.int64), merged_offsets, torch.tensor(source, dtype=torch.int64)
+    return (torch.tensor(index, dtype=torch.int64, device=device), merged_offsets.to(device),
+            torch.tensor(source, dtype=torch.int64, device=device))

@@ -9,7 +9,7 @@ def pytorch_time_rotary(x: torch.Tensor, phase: torch.Tensor, *, base: float) ->
     """x: [ΣL, H, dh]  phase: [ΣL]  ->  [ΣL, H, dh]"""
     dh = x.shape[-1]
     half = dh // 2
-    omega = base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / dh)  # [dh/2]
+    omega = base ** (-torch.arange(half, dtype=torch.float64, device=phase.device) * 2.0 / dh)  # [dh/2]
     angle = phase.double()[:, None] * omega[None, :]  # [ΣL, dh/2]
     rot = torch.polar(torch.ones_like(angle), angle)[:, None, :]  # [ΣL, 1, dh/2], e^{iθ}
     z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot  # [ΣL, H, dh/2]

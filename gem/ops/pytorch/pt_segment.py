@@ -21,7 +21,7 @@ def pytorch_jagged_last_k(values: torch.Tensor, offsets: torch.Tensor, k: int) -
     """
     B = offsets.numel() - 1
     out = values.new_zeros((B, k) + tuple(values.shape[1:]))
-    mask = torch.zeros(B, k, dtype=torch.bool)
+    mask = torch.zeros(B, k, dtype=torch.bool, device=values.device)
     for b in range(B):
         lo, hi = int(offsets[b]), int(offsets[b + 1])
         n = min(k, hi - lo)

@@ -1,0 +1,196 @@
+"""The model on an accelerator, checked without one: every tensor the ops and modules make must live
+on the device of the data, and the fast path's per-call work must not wait on the device.
+
+`HostMode` stands the data's device in for CUDA on a CPU-only machine. Under it, every tensor the
+code under test did not itself create on the host (inputs, parameters, gradients) reports
+`device == meta` (so `x.device.type == "cpu"` branches take their device path), a factory asked for
+`device=meta` builds on CPU but counts as a device tensor, and a factory given no device (or
+`.cpu()`) makes a host tensor. It records
+
+* `mix`: an op that reads a host tensor (not a 0-dim scalar) beside device tensors, which raises on
+  CUDA ("Expected all tensors to be on the same device") — indexing with host indices excepted,
+  CUDA copies those;
+* `sync`: `int()`, `bool()`, `.item()`, `.tolist()`, `.cpu()` of a device tensor (a host <-> device
+  round trip that stalls the stream);
+
+each with the first line under gem/ that made it.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from gem.api.types import SyntheticDataSpec
+from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel
+from gem.data import build_splits, make_batch
+from gem.modules import PRESETS, KunlunModel, from_v1_batch, set_kernel
+from gem.ops import (Kernel, block_attention, gdpa, jagged_attention, jagged_last_k, oneseq_merge, segment_mean,
+                     segment_sum, time_rotary)
+from gem.ops.testing import make_offsets
+
+_DEV, _CPU = torch.device("meta"), torch.device("cpu")
+_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "tensor", "as_tensor", "asarray", "from_numpy", "randn",
+              "rand", "randint", "randperm", "linspace", "logspace", "eye", "triu_indices", "tril_indices",
+              "empty_strided", "scalar_tensor"}
+_SYNCS = {"__int__", "__bool__", "__float__", "__index__", "item", "tolist", "cpu"}
+_MOVES = {"to", "new_tensor", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def _host(t: torch.Tensor) -> bool:
+    return getattr(t, "_on_host", False)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _is_dev(d) -> bool:
+    return d == "meta" or (isinstance(d, torch.device) and d.type == "meta")
+
+
+def _where() -> str:
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if "/gem/" in fr.filename:
+            return f"gem/{fr.filename.split('/gem/')[-1]}:{fr.lineno} in {fr.name}: {fr.line}"
+    return "?"
+
+
+class HostMode(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.events: dict[tuple[str, str], int] = collections.Counter()
+
+    def of(self, kind: str) -> list[str]:
+        return [f"{where} ({name}, x{n})" for (k, name, where), n in self.events.items() if k == kind]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "?")
+        owner = getattr(func, "__self__", None)
+        if owner is torch._C.TensorBase.device:
+            return _CPU if _host(args[0]) else _DEV
+        if owner is torch._C.TensorBase.is_cpu:
+            return _host(args[0])
+        on_dev = None  # where a device argument puts the result: None (none given), True or False
+        if "device" in kwargs and kwargs["device"] is not None:
+            on_dev = _is_dev(kwargs["device"])
+            kwargs["device"] = _CPU
+        args = list(args)
+        if name in _MOVES:
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor) and (_is_dev(a) or a == _CPU or a == "cpu"):
+                    on_dev, args[i] = _is_dev(a), _CPU
+        ins = list(_tensors(args)) + list(_tensors(kwargs))
+        host_in = [t for t in ins if _host(t) and t.dim() > 0]
+        if name in _SYNCS and ins and not _host(ins[0]):
+            self.events[("sync", name, _where())] += 1
+        if host_in and len(host_in) < len(ins) and name not in ("to", "copy_", "__getitem__"):
+            self.events[("mix", name, _where())] += 1
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and any(out is t for t in ins):
+            out = out.view(out.shape)  # a no-op move returns its input: tag an alias, not the input
+        if name in ("cpu", "numpy", "tolist"):
+            host = True
+        elif on_dev is not None:
+            host = not on_dev
+        elif name in _FACTORIES:
+            host = True
+        elif name.endswith("_like") or name.startswith("new_") or name == "to":
+            host = bool(ins) and _host(ins[0])
+        else:
+            host = bool(ins) and all(_host(t) for t in ins)
+        for t in _tensors(out):
+            try:
+                t._on_host = host
+            except (AttributeError, RuntimeError):
+                pass
+        return out
+
+
+def _check_outputs(mode: HostMode, outs) -> None:
+    assert not mode.of("mix"), "host tensors mixed into device ops:\n" + "\n".join(mode.of("mix"))
+    on_host = [i for i, t in enumerate(_tensors(outs)) if _host(t)]
+    assert not on_host, f"outputs {on_host} were made on the host"
+
+
+# ---------------------------------------------------------------------------- the model
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8))
+    return from_v1_batch(make_batch(train, np.arange(6), max_seq_len=CFG.tiers[0].max_seq_len))
+
+
+@pytest.mark.parametrize("model", ["tiled", "pytorch", "padded", "dlrm"])
+def test_forward_and_backward_keep_every_tensor_on_the_device_of_the_data(batch, model):
+    """Kernel.PYTORCH (the references the module tests and debugging run) built its merge indices, the
+    last-k mask, the rotary frequencies and the block ids on the CPU: on a GPU its first forward raised."""
+    torch.manual_seed(0)
+    m = {"tiled": lambda: KunlunModel(CFG), "pytorch": lambda: set_kernel(KunlunModel(CFG), Kernel.PYTORCH),
+         "padded": lambda: PaddedKunlunModel(CFG), "dlrm": lambda: DLRMModel(DLRMConfig(base=CFG))}[model]()
+    mode = HostMode()
+    with mode:
+        loss, parts = m.loss(batch)
+        loss.backward()
+    _check_outputs(mode, [loss, parts])
+
+
+# ---------------------------------------------------------------------------- the ops
+
+
+def _op_calls(kernel: Kernel):
+    torch.manual_seed(0)
+    off = make_offsets([5, 0, 70, 9])
+    n, H, dh = int(off[-1]), 2, 8
+    q, k, v = (torch.randn(n, H, dh, requires_grad=True) for _ in range(3))
+    kd, vd = (torch.randn(4, 3, H, dh, requires_grad=True) for _ in range(2))
+    seeds = torch.randn(6, H, dh, requires_grad=True)
+    phase = torch.rand(n) * 50
+    off2, ts1, ts2 = make_offsets([1, 2, 0, 3]), torch.arange(n), torch.tensor([3, 1, 2, 7, 8, 9])
+    kw = {"kernel": kernel}
+    return {
+        "jagged_attention": lambda: jagged_attention(q, k, v, off, **kw),
+        "gdpa window": lambda: gdpa(q, k, v, q_offsets=off, k_offsets=off, window=4, **kw),
+        "gdpa per-head": lambda: gdpa(q, k, v, q_offsets=off, k_offsets=off, activation=("relu", "silu"), **kw),
+        "gdpa dense kv": lambda: gdpa(q, kd, vd, q_offsets=off, **kw),
+        "gdpa dense kv window": lambda: gdpa(q, kd, vd, q_offsets=off, window=2, **kw),
+        "gdpa broadcast": lambda: gdpa(seeds, k, v, k_offsets=off, broadcast_q=True, qk_scale=0.5, **kw),
+        "block_attention rotary": lambda: block_attention(q, k, v, off, block_size=16, shift=3, align="end",
+                                                          rotary_phase=phase, **kw),
+        "segment_sum": lambda: segment_sum(q, off, **kw),
+        "segment_mean": lambda: segment_mean(q, off, **kw),
+        "jagged_last_k": lambda: jagged_last_k(q, off, 4, **kw),
+        "time_rotary": lambda: time_rotary(q, phase, **kw),
+        "oneseq_merge": lambda: oneseq_merge([q, q[:6]], [ts1, ts2], [off, off2], max_seq_len=7, **kw),
+    }
+
+
+@pytest.mark.parametrize("kernel", list(Kernel))
+def test_ops_make_their_outputs_and_gradients_on_the_device_of_the_data(kernel):
+    failed = []
+    for name, call in _op_calls(kernel).items():
+        mode = HostMode()
+        with mode:
+            outs = call()
+            sum(t.float().sum() for t in _tensors(outs) if t.is_floating_point()).backward()
+        try:
+            _check_outputs(mode, outs)
+        except AssertionError as e:
+            failed.append(f"{name} ({kernel.value}): {str(e).splitlines()[:4]}")
+    assert not failed, "\n".join(failed)
