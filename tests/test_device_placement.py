@@ -32,6 +32,7 @@ from gem.data import build_splits, make_batch
 from gem.modules import PRESETS, KunlunModel, from_v1_batch, set_kernel
 from gem.ops import (Kernel, block_attention, gdpa, jagged_attention, jagged_last_k, oneseq_merge, segment_mean,
                      segment_sum, time_rotary)
+from gem.ops.common import plan_blocks, plan_buckets
 from gem.ops.testing import make_offsets
 
 _DEV, _CPU = torch.device("meta"), torch.device("cpu")
@@ -151,6 +152,22 @@ def test_forward_and_backward_keep_every_tensor_on_the_device_of_the_data(batch,
     _check_outputs(mode, [loss, parts])
 
 
+# Where the tiled model reads the device on purpose: planning (once per batch and plan, memoised in
+# TierBatch) and the per-type split sizes of the OneSeq projection.
+_PLANNING = ("in plan_buckets:", "in plan_blocks:", "in _project_by_type:")
+
+
+def test_the_tiled_model_syncs_only_where_it_plans(batch):
+    """The sparse-feature lookup synced once per feature and forward to see whether a bag held one id."""
+    torch.manual_seed(0)
+    m = KunlunModel(CFG)
+    mode = HostMode()
+    with mode:
+        m.loss(batch)[0].backward()
+    others = [s for s in mode.of("sync") if not any(p in s for p in _PLANNING)]
+    assert not others, "host syncs outside planning:\n" + "\n".join(others)
+
+
 # ---------------------------------------------------------------------------- the ops
 
 
@@ -194,3 +211,27 @@ def test_ops_make_their_outputs_and_gradients_on_the_device_of_the_data(kernel):
         except AssertionError as e:
             failed.append(f"{name} ({kernel.value}): {str(e).splitlines()[:4]}")
     assert not failed, "\n".join(failed)
+
+
+def test_fast_path_with_plans_made_does_not_wait_on_the_device():
+    """Plans are made once per batch (that is where the host reads the lengths); after that, a layer's
+    ops must not sync: block attention read `bool(plan.valid.all())` and the last-k gather
+    `int(offsets[-1])` on every call, and planning synced once per bucket for its key mask."""
+    off = make_offsets([5, 0, 70, 9, 64])
+    n, H, dh = int(off[-1]), 2, 8
+    q, k, v = (torch.randn(n, H, dh, requires_grad=True) for _ in range(3))
+    kd, vd = (torch.randn(5, 3, H, dh) for _ in range(2))
+    k_off = make_offsets([3] * 5)
+    mode = HostMode()
+    with mode:
+        blocks = {align: plan_blocks(off, 16, align=align) for align in ("start", "end")}
+        buckets = plan_buckets(off, k_off)
+    planning = set(mode.of("sync"))
+    mode = HostMode()
+    with mode:
+        outs = [block_attention(q, k, v, off, block_size=16, align=a, plan=p) for a, p in blocks.items()]
+        outs.append(jagged_last_k(q, off, 4)[0])
+        outs.append(gdpa(q, kd, vd, q_offsets=off, buckets=buckets))
+        sum(o.sum() for o in outs).backward()
+    assert not mode.of("sync"), "per-call host syncs:\n" + "\n".join(mode.of("sync"))
+    assert not [s for s in planning if "kv.all()" in s], planning

@@ -52,8 +52,11 @@ class FeatureEmbeddings(nn.Module):
         e = self.tables[table](hash_ids(ids, self.buckets[table], self.salts[table]))  # [N, d]
         if offsets is None:
             return e
-        if ids.numel() == offsets.numel() - 1 and bool((offsets.diff() == 1).all()):
-            return e  # one id per example: nothing to pool
+        # One id per example: nothing to pool. Checked on CPU offsets only: elsewhere the check is a
+        # device sync per feature, and pooling one row gives the same values.
+        if (offsets.device.type == "cpu" and ids.numel() == offsets.numel() - 1
+                and bool((offsets.diff() == 1).all())):
+            return e
         pooled = segment_sum(e, offsets)  # [B, d]
         if pooling == "mean":
             pooled = pooled / offsets.diff().clamp_min(1).unsqueeze(1).to(pooled.dtype)

@@ -287,8 +287,10 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
         k_first[ex_np] = k_base + np.arange(n) * k_len
         q_base, k_base = q_base + n * q_len, k_base + n * k_len
         ex = torch.as_tensor(ex_np, device=dev)
-        kv = torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None]  # [n, k_len]
-        buckets.append(Bucket(ex, q_len, k_len, None if bool(kv.all()) else kv))
+        # Every key slot valid: decided on the host lengths (bool(kv.all()) synced once per bucket).
+        kv = None if bool((k_lens[ex_np] >= k_len).all()) else (
+            torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None])  # [n, k_len]
+        buckets.append(Bucket(ex, q_len, k_len, kv))
     q_layout = _layout(q_offsets, q_first, q_base)
     if self_attn:
         return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens)
@@ -333,6 +335,11 @@ class BlockPlan:
     @property
     def layout(self) -> SlotLayout:
         return SlotLayout(self.dst, self.num_blocks * self.block, self.src)
+
+    @property
+    def all_valid(self) -> bool:
+        """valid.all(), from the sizes: each row fills one slot (no device sync per call)."""
+        return self.num_blocks * self.block == self.dst.numel()
 
     def check(self, offsets: torch.Tensor, rows: int, block_size: int, shift: int, align: str) -> None:
         """Refuse a plan of other blocks or another batch (segment lengths compared for CPU offsets

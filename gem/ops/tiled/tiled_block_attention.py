@@ -107,7 +107,7 @@ def tiled_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off
     if plan is None:
         plan = plan_blocks(offsets, block_size, shift=shift, align=align)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    all_valid = bool(plan.valid.all())
+    all_valid = plan.all_valid
     if q.device.type == "cpu" or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         H = q.shape[1]
         src_any = plan.src.clamp(max=q.shape[0] - 1)  # padding slots read any real row

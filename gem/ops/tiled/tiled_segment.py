@@ -20,6 +20,7 @@ def tiled_jagged_last_k(values: torch.Tensor, offsets: torch.Tensor, k: int) -> 
     slot = torch.arange(k, device=offsets.device)  # [k]
     rows = offsets[1:, None] - k + slot[None, :]  # [B, k], the row that would fill each slot
     valid = rows >= offsets[:-1, None]
-    rows = torch.where(valid, rows, int(offsets[-1]))  # invalid -> the appended zero row
+    # invalid -> the appended zero row, at values.shape[0] (= offsets[-1], read without a device sync)
+    rows = torch.where(valid, rows, values.shape[0])
     out = with_zero_row(values).index_select(0, rows.reshape(-1)).view(B, k, *values.shape[1:])
     return out, valid
