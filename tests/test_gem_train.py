@@ -67,11 +67,11 @@ def test_an_interrupted_save_is_never_taken_as_complete(tmp_path, monkeypatch, c
     real = checkpoint.full_state_dict
     calls = []
 
-    def crash_on_second_save(engine):
+    def crash_on_second_save(engine, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise OSError("disk full (simulated)")
-        return real(engine)
+        return real(engine, **kw)
 
     monkeypatch.setattr(checkpoint, "full_state_dict", crash_on_second_save)
     assert cli.main(["train", "--config", str(path)]) == 1

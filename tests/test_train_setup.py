@@ -493,7 +493,7 @@ def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path
                                                   real_fsync(fd))[1])
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), real_rename(a, b))[1])
     monkeypatch.setattr(checkpoint, "prune", lambda job, keep: (events.append(("prune", "")), real_prune(job, keep))[1])
-    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine, **kw: {"w": torch.zeros(2)})
 
     class Engine:  # DeepSpeed's part: writes its own files into the tag directory
         def save_checkpoint(self, save_dir, tag, save_latest):
@@ -553,7 +553,7 @@ def test_a_failed_write_inside_deepspeeds_save_still_reaches_its_barrier_and_lea
     file and error; the temp dir is removed and the previous checkpoint stays the latest complete one."""
     import torch
 
-    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine, **kw: {"w": torch.zeros(2)})
     job, env = tmp_path / "job", DistEnv(0, 1, 0, 1, torch.device("cpu"))
     checkpoint.save(_Engine(), env, job, step=1, manifest={}, state={"step": 1}, keep_last=1)
     engine = _Engine(full=True)
@@ -574,7 +574,7 @@ def test_a_failed_complete_marker_leaves_no_checkpoint_that_looks_complete(tmp_p
     removed with the step's directory; the older checkpoint is not pruned."""
     import torch
 
-    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine: {"w": torch.zeros(2)})
+    monkeypatch.setattr(checkpoint, "full_state_dict", lambda engine, **kw: {"w": torch.zeros(2)})
     job, env = tmp_path / "job", DistEnv(0, 1, 0, 1, torch.device("cpu"))
     checkpoint.save(_Engine(), env, job, step=1, manifest={}, state={"step": 1}, keep_last=1)
 

@@ -167,12 +167,15 @@ def _fp32_masters(engine: Any) -> Any:
     return master
 
 
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The whole model in fp32 on CPU. Collective: every rank must call it (ZeRO-3 gathers shards).
+def full_state_dict(engine: Any, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model in fp32 on CPU. Collective: every rank must call it (ZeRO gathers shards).
 
     With ZeRO or bf16 the fp32 master weights live in the optimizer (`_fp32_masters`), and they are
     what is saved, not the bf16 module parameters. Plain fp32 without ZeRO has no master copy: the
     module's parameters are it.
+
+    keep=False (the ranks that do not write model.pt): join every gather, keep no copy, return {}.
+    Before, every rank of a node held a whole fp32 copy in host memory at each save (8 GPUs: 8 copies).
     """
     master = _fp32_masters(engine)
     applied = getattr(engine.module, "gem_parallel", None)
@@ -181,13 +184,15 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
         from gem.parallel.parallelize import full_state_dict as gather_full
 
         full = gather_full(engine.module, value=master)
-        return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
+        return {k: v.float() if v.is_floating_point() else v for k, v in full.items()} if keep else {}
     out: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
-        full = master(param)
-        out[name] = (param.detach() if full is None else full).float().cpu().clone()
-    for name, buf in engine.module.named_buffers():
-        out[name] = buf.detach().cpu().clone()
+        full = master(param)  # collective under ZeRO: every rank, kept or not
+        if keep:
+            out[name] = (param.detach() if full is None else full).float().cpu().clone()
+    if keep:
+        for name, buf in engine.module.named_buffers():
+            out[name] = buf.detach().cpu().clone()
     return out
 
 
@@ -401,7 +406,7 @@ def save(engine: Any, env: DistEnv, job: Path, *, step: int, manifest: dict[str,
     # DeepSpeed's files: module, optimizer/ZeRO partitions and the LR scheduler. save_latest=False:
     # the COMPLETE marker, not DeepSpeed's `latest` file, says which checkpoints exist.
     _deepspeed_save(engine, job, tmp, failure)
-    weights = full_state_dict(engine)  # collective: every rank, failed or not
+    weights = full_state_dict(engine, keep=env.is_main)  # collective: every rank, failed or not; rank 0 writes it
     _write_own_files(env, tmp, failure, weights=weights, manifest=manifest, state=state, rank_state=rank_state)
     failed = failure.verdict()  # every rank's files are in tmp (a barrier)
     if failed:
