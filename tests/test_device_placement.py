@@ -69,6 +69,18 @@ def _where() -> str:
     return "?"
 
 
+def _sizes_from_device(name: str, args, kwargs) -> bool:
+    """Ops whose output size is data on the device: CUDA reads it back before it can allocate."""
+    if name == "repeat_interleave":
+        return len(args) > 1 and isinstance(args[1], torch.Tensor) and not _host(args[1]) \
+            and kwargs.get("output_size") is None
+    if name in ("nonzero", "bincount", "masked_select", "unique"):
+        return not _host(args[0])
+    if name == "__getitem__":
+        return any(t.dtype == torch.bool and not _host(t) for t in _tensors(args[1:]))
+    return False
+
+
 class HostMode(TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -96,7 +108,7 @@ class HostMode(TorchFunctionMode):
                     on_dev, args[i] = _is_dev(a), _CPU
         ins = list(_tensors(args)) + list(_tensors(kwargs))
         host_in = [t for t in ins if _host(t) and t.dim() > 0]
-        if name in _SYNCS and ins and not _host(ins[0]):
+        if name in _SYNCS and ins and not _host(ins[0]) or _sizes_from_device(name, args, kwargs):
             self.events[("sync", name, _where())] += 1
         if host_in and len(host_in) < len(ins) and name not in ("to", "copy_", "__getitem__"):
             self.events[("mix", name, _where())] += 1
@@ -153,12 +165,13 @@ def test_forward_and_backward_keep_every_tensor_on_the_device_of_the_data(batch,
 
 
 # Where the tiled model reads the device on purpose: planning (once per batch and plan, memoised in
-# TierBatch) and the per-type split sizes of the OneSeq projection.
-_PLANNING = ("in plan_buckets:", "in plan_blocks:", "in _project_by_type:")
+# TierBatch), the events the OneSeq merge keeps and the per-type split sizes of its projection.
+_PLANNING = ("in plan_buckets:", "in plan_blocks:", "in tiled_oneseq_merge_index:", "in _project_by_type:")
 
 
 def test_the_tiled_model_syncs_only_where_it_plans(batch):
-    """The sparse-feature lookup synced once per feature and forward to see whether a bag held one id."""
+    """The sparse-feature lookup synced once per feature and forward to see whether a bag held one id,
+    and segment_ids once per call (repeat_interleave reads its output size back from the device)."""
     torch.manual_seed(0)
     m = KunlunModel(CFG)
     mode = HostMode()

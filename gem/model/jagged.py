@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 
 
-def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """The example each event belongs to: int64 [ΣL] from offsets [B+1]."""
+def segment_ids(offsets: torch.Tensor, num_values: int | None = None) -> torch.Tensor:
+    """The example each event belongs to: int64 [ΣL] from offsets [B+1] (num_values: ΣL where known,
+    so a GPU need not read it back from the device)."""
     num_segments = offsets.numel() - 1
-    return torch.repeat_interleave(torch.arange(num_segments, device=offsets.device), offsets.diff())
+    return torch.repeat_interleave(torch.arange(num_segments, device=offsets.device), offsets.diff(),
+                                   output_size=num_values)
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -28,7 +30,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     """
     B, Nq, H, dh = q.shape
     if seg is None:
-        seg = segment_ids(offsets)  # [ΣL]
+        seg = segment_ids(offsets, k.shape[0])  # [ΣL]
     # Gather each event's queries with index_select, not q[seg]: the backward of advanced
     # indexing is an accumulating index_put, ~10x slower on CPU than index_select's index_add.
     q_e = q.index_select(0, seg)  # [ΣL, Nq, H, dh]

@@ -58,7 +58,7 @@ def split_by_type(offsets: torch.Tensor, types: torch.Tensor, timestamps: torch.
             raise ValueError(f"seq_type must be in [0, {len(type_names)}): "
                              + ", ".join(f"{i} {n}" for i, n in enumerate(type_names))
                              + f"; got values in [{lo}, {hi}]")
-    seg = torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff())
+    seg = torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff(), output_size=types.numel())
     out = {}
     for i, name in enumerate(type_names):
         rows = torch.nonzero(types == i).squeeze(1)  # stays time-ordered within each example

@@ -121,7 +121,7 @@ class OneSeqEncoder(JaggedModule):
         )
         raw = embeddings.events(merged)  # [ΣL, d]
         e = self._project_by_type(raw, source)  # [ΣL, d_tier], in the autocast dtype if any
-        seg = segment_ids(offsets)
+        seg = segment_ids(offsets, index.numel())
         if self.target is not None:
             e = e + self.target(raw * candidate.to(raw.dtype).index_select(0, seg))
         age = (inputs.request_time[seg] - merged.timestamps).float().clamp_min(0)  # [ΣL], s

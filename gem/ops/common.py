@@ -65,15 +65,16 @@ def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """The segment each value belongs to, int64 [ΣL]."""
+def segment_ids(offsets: torch.Tensor, num_values: int | None = None) -> torch.Tensor:
+    """The segment each value belongs to, int64 [ΣL]. Pass num_values (ΣL) where the caller knows
+    it: otherwise a GPU reads ΣL back from the device (a sync) before it can allocate the output."""
     B = offsets.numel() - 1
-    return torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff())
+    return torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff(), output_size=num_values)
 
 
-def positions_in_segment(offsets: torch.Tensor) -> torch.Tensor:
-    """0, 1, ..., L_b - 1 for every segment, int64 [ΣL]."""
-    seg = segment_ids(offsets)
+def positions_in_segment(offsets: torch.Tensor, num_values: int | None = None) -> torch.Tensor:
+    """0, 1, ..., L_b - 1 for every segment, int64 [ΣL] (num_values: as in segment_ids)."""
+    seg = segment_ids(offsets, num_values)
     return torch.arange(seg.numel(), device=offsets.device) - offsets[seg]
 
 
@@ -270,7 +271,7 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
     dev = q_offsets.device
     B = q_offsets.numel() - 1
     q_lens_t, k_lens_t = q_offsets.diff(), k_offsets.diff()
-    q_lens, k_lens = q_lens_t.cpu().numpy(), k_lens_t.cpu().numpy()
+    q_lens, k_lens = torch.stack([q_lens_t, k_lens_t]).cpu().numpy()  # the lengths, read from the device once
     order = np.lexsort((k_lens, q_lens))  # by q length, ties by k length
     order = order[q_lens[order] > 0]
     cuts = bucket_cuts(q_lens[order], k_lens[order], overhead=overhead)
@@ -291,14 +292,14 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
         kv = None if bool((k_lens[ex_np] >= k_len).all()) else (
             torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None])  # [n, k_len]
         buckets.append(Bucket(ex, q_len, k_len, kv))
-    q_layout = _layout(q_offsets, q_first, q_base)
+    q_layout = _layout(q_offsets, q_first, q_base, int(q_lens.sum()))
     if self_attn:
         return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens)
     # Keys of segments without queries sit in slots after every tile (never read): a layout
     # must give every row a slot.
     orphans = np.flatnonzero((q_lens == 0) & (k_lens > 0))
     k_first[orphans] = k_base + np.concatenate([[0], np.cumsum(k_lens[orphans])[:-1]]).astype(np.int64)
-    k_layout = _layout(k_offsets, k_first, k_base + int(k_lens[orphans].sum()))
+    k_layout = _layout(k_offsets, k_first, k_base + int(k_lens[orphans].sum()), int(k_lens.sum()))
     return BucketPlan(buckets, q_layout, k_layout, q_lens, k_lens)
 
 
@@ -308,9 +309,9 @@ def _tile_len(lengths: np.ndarray, round_to: int) -> int:
     return top if int(lengths.min()) == top else int(_round_up(top, round_to))
 
 
-def _layout(offsets: torch.Tensor, first_slot: np.ndarray, num_slots: int) -> SlotLayout:
+def _layout(offsets: torch.Tensor, first_slot: np.ndarray, num_slots: int, num_rows: int) -> SlotLayout:
     """Row r of segment b at position p lives in slot first_slot[b] + p."""
-    seg = segment_ids(offsets)
+    seg = segment_ids(offsets, num_rows)
     pos = torch.arange(seg.numel(), device=offsets.device) - offsets[seg]
     return SlotLayout(torch.as_tensor(first_slot, device=offsets.device)[seg] + pos, num_slots)
 
@@ -382,13 +383,13 @@ def plan_blocks(offsets: torch.Tensor, block: int, *, shift: int = 0, align: str
     blocks_per_seg = torch.div(lengths + lead + block - 1, block, rounding_mode="floor")  # [B]
     blocks_per_seg = torch.where(lengths > 0, blocks_per_seg, torch.zeros_like(blocks_per_seg))
     first_block = offsets_of(blocks_per_seg)  # [B+1]
-    num_blocks = int(first_block[-1])
-    total = int(offsets[-1])
-    seg = segment_ids(offsets)  # [ΣL]
+    num_blocks, total = torch.stack([first_block[-1], offsets[-1]]).tolist()  # one read from the device
+    seg = segment_ids(offsets, total)  # [ΣL]
     pos = torch.arange(total, device=offsets.device) - offsets[seg]  # [ΣL]
     dst = first_block[seg] * block + lead[seg] + pos  # [ΣL]
     src = torch.full((num_blocks * block,), total, dtype=torch.int64, device=offsets.device)
     src[dst] = torch.arange(total, device=offsets.device)
     valid = (src != total).view(num_blocks, block)
-    block_segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), blocks_per_seg)
+    block_segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), blocks_per_seg,
+                                            output_size=num_blocks)
     return BlockPlan(block, num_blocks, src, dst, valid, block_segment, shift, align, lengths)

@@ -10,7 +10,7 @@ from gem.ops.common import segment_ids, with_zero_row
 def tiled_segment_sum(values: torch.Tensor, offsets: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
     """[ΣL, ...] -> [B, ...]"""
     B = offsets.numel() - 1
-    seg = segment_ids(offsets) if seg is None else seg
+    seg = segment_ids(offsets, values.shape[0]) if seg is None else seg
     return values.new_zeros((B,) + tuple(values.shape[1:])).index_add(0, seg, values)
 
 
