@@ -10,8 +10,9 @@ code under test did not itself create on the host (inputs, parameters, gradients
 * `mix`: an op that reads a host tensor (not a 0-dim scalar) beside device tensors, which raises on
   CUDA ("Expected all tensors to be on the same device") — indexing with host indices excepted,
   CUDA copies those;
-* `sync`: `int()`, `bool()`, `.item()`, `.tolist()`, `.cpu()` of a device tensor (a host <-> device
-  round trip that stalls the stream);
+* `sync`: `int()`, `bool()`, `.item()`, `.tolist()`, `.cpu()` of a device tensor, an op whose output
+  size is device data, or a blocking copy of host data to the device (`torch.tensor(..., device=)`):
+  each waits for the stream to drain;
 
 each with the first line under gem/ that made it.
 """
@@ -108,6 +109,8 @@ class HostMode(TorchFunctionMode):
                     on_dev, args[i] = _is_dev(a), _CPU
         ins = list(_tensors(args)) + list(_tensors(kwargs))
         host_in = [t for t in ins if _host(t) and t.dim() > 0]
+        if on_dev and (name in ("tensor", "as_tensor", "asarray") or name == "to" and host_in):
+            self.events[("sync", name, _where())] += 1  # a blocking host -> device copy waits for the stream
         if name in _SYNCS and ins and not _host(ins[0]) or _sizes_from_device(name, args, kwargs):
             self.events[("sync", name, _where())] += 1
         if host_in and len(host_in) < len(ins) and name not in ("to", "copy_", "__getitem__"):
@@ -166,12 +169,14 @@ def test_forward_and_backward_keep_every_tensor_on_the_device_of_the_data(batch,
 
 # Where the tiled model reads the device on purpose: planning (once per batch and plan, memoised in
 # TierBatch), the events the OneSeq merge keeps and the per-type split sizes of its projection.
-_PLANNING = ("in plan_buckets:", "in plan_blocks:", "in tiled_oneseq_merge_index:", "in _project_by_type:")
+_PLANNING = ("in plan_buckets:", "in _layout:", "in plan_blocks:", "in tiled_oneseq_merge_index:",
+             "in _project_by_type:")
 
 
 def test_the_tiled_model_syncs_only_where_it_plans(batch):
     """The sparse-feature lookup synced once per feature and forward to see whether a bag held one id,
-    and segment_ids once per call (repeat_interleave reads its output size back from the device)."""
+    segment_ids once per call (repeat_interleave reads its output size back from the device), and the
+    PFFN's GDPA copied two small host lists to the device per call."""
     torch.manual_seed(0)
     m = KunlunModel(CFG)
     mode = HostMode()
@@ -229,7 +234,8 @@ def test_ops_make_their_outputs_and_gradients_on_the_device_of_the_data(kernel):
 def test_fast_path_with_plans_made_does_not_wait_on_the_device():
     """Plans are made once per batch (that is where the host reads the lengths); after that, a layer's
     ops must not sync: block attention read `bool(plan.valid.all())` and the last-k gather
-    `int(offsets[-1])` on every call, and planning synced once per bucket for its key mask."""
+    `int(offsets[-1])` on every call, the PFFN's GDPA copied its tile starts to the device on every
+    call, and planning synced once per bucket for its key mask."""
     off = make_offsets([5, 0, 70, 9, 64])
     n, H, dh = int(off[-1]), 2, 8
     q, k, v = (torch.randn(n, H, dh, requires_grad=True) for _ in range(3))

@@ -179,6 +179,10 @@ class BucketPlan:
     k_layout: SlotLayout  # the same object as q_layout for self-attention
     q_lengths: np.ndarray | None = None  # the segment lengths it was planned for (check_plan)
     k_lengths: np.ndarray | None = None
+    # First query slot and query tile length of every bucket, int64 [num_buckets] on the plan's
+    # device: copied there while planning, not on every call that needs them (a blocking copy).
+    q_tile_starts: torch.Tensor | None = None
+    q_tile_lens: torch.Tensor | None = None
 
     def check(self, q_offsets: torch.Tensor | None, k_offsets: torch.Tensor, *, broadcast_rows: int = 0) -> None:
         """Refuse a plan made for other segment lengths (CPU offsets only: no device sync). Such a
@@ -293,14 +297,17 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
             torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None])  # [n, k_len]
         buckets.append(Bucket(ex, q_len, k_len, kv))
     q_layout = _layout(q_offsets, q_first, q_base, int(q_lens.sum()))
+    tile_lens = np.array([bk.q_len for bk in buckets], dtype=np.int64)
+    tile_sizes = np.array([bk.size * bk.q_len for bk in buckets], dtype=np.int64)
+    tiles = (torch.as_tensor(np.cumsum(tile_sizes) - tile_sizes, device=dev), torch.as_tensor(tile_lens, device=dev))
     if self_attn:
-        return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens)
+        return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens, *tiles)
     # Keys of segments without queries sit in slots after every tile (never read): a layout
     # must give every row a slot.
     orphans = np.flatnonzero((q_lens == 0) & (k_lens > 0))
     k_first[orphans] = k_base + np.concatenate([[0], np.cumsum(k_lens[orphans])[:-1]]).astype(np.int64)
     k_layout = _layout(k_offsets, k_first, k_base + int(k_lens[orphans].sum()), int(k_lens.sum()))
-    return BucketPlan(buckets, q_layout, k_layout, q_lens, k_lens)
+    return BucketPlan(buckets, q_layout, k_layout, q_lens, k_lens, *tiles)
 
 
 def _tile_len(lengths: np.ndarray, round_to: int) -> int:

@@ -69,9 +69,12 @@ def _head_major_layout(plan: BucketPlan, H: int) -> SlotLayout:
     come out of one gather already head-major (no transpose copy either way)."""
     dst = plan.q_layout.dst
     dev = dst.device
-    sizes = torch.tensor(plan.q_sizes, device=dev)
-    starts = torch.cumsum(sizes, 0) - sizes
-    tq = torch.tensor([bk.q_len for bk in plan.buckets], device=dev)
+    if plan.q_tile_starts is not None:  # made while planning: no host -> device copy per call
+        starts, tq = plan.q_tile_starts, plan.q_tile_lens
+    else:
+        sizes = torch.tensor(plan.q_sizes, device=dev)
+        starts = torch.cumsum(sizes, 0) - sizes
+        tq = torch.tensor([bk.q_len for bk in plan.buckets], device=dev)
     b = torch.searchsorted(starts, dst, right=True) - 1  # the bucket of every token
     local, t = dst - starts[b], tq[b]
     first = H * starts[b] + (local // t) * H * t + local % t  # head 0 of this token
