@@ -148,9 +148,25 @@ CFG = PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")
-def batch():
+def v1_batch():
     train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=64, num_eval_examples=8))
-    return from_v1_batch(make_batch(train, np.arange(6), max_seq_len=CFG.tiers[0].max_seq_len))
+    return make_batch(train, np.arange(6), max_seq_len=CFG.tiers[0].max_seq_len)
+
+
+@pytest.fixture(scope="module")
+def batch(v1_batch):
+    return from_v1_batch(v1_batch)
+
+
+def test_the_v1_batch_is_split_by_event_type_with_one_read_from_the_device(v1_batch):
+    """GEMModel splits the trainer's batch on its device every step: the range check, a nonzero and a
+    bincount per event type each waited for the stream."""
+    mode = HostMode()
+    with mode:
+        inputs = from_v1_batch(v1_batch)
+    syncs = mode.of("sync")
+    assert len(syncs) == 1 and syncs[0].endswith("x1)"), syncs
+    _check_outputs(mode, [(s.offsets, s.timestamps, s.ids, s.surface) for s in inputs.sequences.values()])
 
 
 @pytest.mark.parametrize("model", ["tiled", "pytorch", "padded", "dlrm"])

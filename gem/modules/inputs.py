@@ -50,21 +50,28 @@ class GemInputs:
 def split_by_type(offsets: torch.Tensor, types: torch.Tensor, timestamps: torch.Tensor,
                   ids: dict[str, torch.Tensor], type_names: tuple[str, ...],
                   surface: torch.Tensor | None = None) -> dict[str, EventSequence]:
-    """One typed jagged history -> one jagged sequence per event type (order kept)."""
-    B = offsets.numel() - 1
+    """One typed jagged history -> one jagged sequence per event type (order kept).
+
+    On a GPU it reads the device once (the type range and counts together): a nonzero and a bincount
+    per type, and the range check, each waited for the stream on every training step."""
+    B, T = offsets.numel() - 1, len(type_names)
+    ones = torch.ones_like(types, dtype=torch.int64)
+    per_type = torch.zeros(T, dtype=torch.int64, device=types.device).index_add_(0, types.clamp(0, T - 1), ones)
+    counts = [0] * T
     if types.numel():
-        lo, hi = int(types.min()), int(types.max())
-        if lo < 0 or hi >= len(type_names):  # such events were dropped without a word
-            raise ValueError(f"seq_type must be in [0, {len(type_names)}): "
+        lo, hi, *counts = torch.cat([torch.stack([types.min(), types.max()]).long(), per_type]).tolist()
+        if lo < 0 or hi >= T:  # such events were dropped without a word
+            raise ValueError(f"seq_type must be in [0, {T}): "
                              + ", ".join(f"{i} {n}" for i, n in enumerate(type_names))
                              + f"; got values in [{lo}, {hi}]")
     seg = torch.repeat_interleave(torch.arange(B, device=offsets.device), offsets.diff(), output_size=types.numel())
+    # Rows grouped by type; the stable sort keeps them time-ordered within each example.
+    by_type = torch.sort(types, stable=True).indices.split(counts)
     out = {}
-    for i, name in enumerate(type_names):
-        rows = torch.nonzero(types == i).squeeze(1)  # stays time-ordered within each example
-        counts = torch.bincount(seg[rows], minlength=B)
+    for name, rows in zip(type_names, by_type):
+        lengths = torch.zeros(B, dtype=torch.int64, device=offsets.device).index_add_(0, seg[rows], ones[rows])
         out[name] = EventSequence(
-            offsets=offsets_of(counts), timestamps=timestamps[rows], ids={k: v[rows] for k, v in ids.items()},
+            offsets=offsets_of(lengths), timestamps=timestamps[rows], ids={k: v[rows] for k, v in ids.items()},
             surface=None if surface is None else surface[rows])
     return out
 
