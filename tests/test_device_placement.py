@@ -270,3 +270,14 @@ def test_fast_path_with_plans_made_does_not_wait_on_the_device():
         sum(o.sum() for o in outs).backward()
     assert not mode.of("sync"), "per-call host syncs:\n" + "\n".join(mode.of("sync"))
     assert not [s for s in planning if "kv.all()" in s], planning
+
+
+def test_planning_buckets_waits_on_the_device_a_fixed_number_of_times():
+    """plan_buckets copied every bucket's examples to the device on their own (~20 blocking copies per
+    plan on the reference workload)."""
+    off = make_offsets([8 * (i + 1) for i in range(12)] * 2)
+    mode = HostMode()
+    with mode:
+        plan = plan_buckets(off, overhead=1.0)
+    assert len(plan) == 12
+    assert sum(int(s.rsplit(" x", 1)[1].rstrip(")")) for s in mode.of("sync")) <= 4, mode.of("sync")

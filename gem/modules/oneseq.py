@@ -164,7 +164,9 @@ class OneSeqEncoder(JaggedModule):
             return self.proj[types[0]](raw)
         # Rows grouped by type, projected per group, then put back in sequence order (a permutation).
         order = torch.sort(source, stable=True).indices  # [ΣL], rows of type 0, then type 1, ...
-        counts = torch.bincount(source, minlength=len(types)).tolist()
+        # index_add, not bincount: on a GPU bincount reads its input's max back first (a second sync)
+        counts = torch.zeros(len(types), dtype=torch.int64, device=source.device).index_add_(
+            0, source, torch.ones_like(source)).tolist()
         parts = [self.proj[t](rows) for t, rows in zip(types, raw.index_select(0, order).split(counts))]
         dt = parts[0].dtype
         grouped = torch.cat([p.to(dt) for p in parts])  # [ΣL, d_tier] in type order

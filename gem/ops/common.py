@@ -279,6 +279,7 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
     order = np.lexsort((k_lens, q_lens))  # by q length, ties by k length
     order = order[q_lens[order] > 0]
     cuts = bucket_cuts(q_lens[order], k_lens[order], overhead=overhead)
+    order_t = torch.as_tensor(order, device=dev)  # one copy to the device; every bucket is a slice of it
     buckets = []
     q_first, k_first = np.zeros(B, np.int64), np.zeros(B, np.int64)  # first slot of every example
     q_base = k_base = 0
@@ -291,7 +292,7 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
         q_first[ex_np] = q_base + np.arange(n) * q_len
         k_first[ex_np] = k_base + np.arange(n) * k_len
         q_base, k_base = q_base + n * q_len, k_base + n * k_len
-        ex = torch.as_tensor(ex_np, device=dev)
+        ex = order_t[i:j]
         # Every key slot valid: decided on the host lengths (bool(kv.all()) synced once per bucket).
         kv = None if bool((k_lens[ex_np] >= k_len).all()) else (
             torch.arange(k_len, device=dev)[None, :] < k_lens_t[ex][:, None])  # [n, k_len]
@@ -299,7 +300,7 @@ def plan_buckets(q_offsets: torch.Tensor, k_offsets: torch.Tensor | None = None,
     q_layout = _layout(q_offsets, q_first, q_base, int(q_lens.sum()))
     tile_lens = np.array([bk.q_len for bk in buckets], dtype=np.int64)
     tile_sizes = np.array([bk.size * bk.q_len for bk in buckets], dtype=np.int64)
-    tiles = (torch.as_tensor(np.cumsum(tile_sizes) - tile_sizes, device=dev), torch.as_tensor(tile_lens, device=dev))
+    tiles = torch.as_tensor(np.stack([np.cumsum(tile_sizes) - tile_sizes, tile_lens]), device=dev).unbind(0)
     if self_attn:
         return BucketPlan(buckets, q_layout, q_layout, q_lens, k_lens, *tiles)
     # Keys of segments without queries sit in slots after every tile (never read): a layout
