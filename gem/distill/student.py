@@ -49,7 +49,7 @@ class StudentModel(nn.Module):
     def pooled_history(self, batch: Batch) -> torch.Tensor:
         """Mean event embedding over each example's last max_seq_len events, [B, d] (zeros if none)."""
         offsets = batch.seq_offsets
-        seg = segment_ids(offsets)  # [ΣL]
+        seg = segment_ids(offsets, batch.seq_ad_id.numel())  # [ΣL]; the count given: no device sync
         # The batch may carry a longer history (the teacher's): keep only the most recent events.
         from_end = offsets[1:].index_select(0, seg) - 1 - torch.arange(seg.numel(), device=seg.device)  # [ΣL]
         keep = (from_end < self._max_seq_len).float()  # [ΣL]

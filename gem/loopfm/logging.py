@@ -131,7 +131,7 @@ class UserRepresentation:
         """[B, d]: mean of the FM's item + campaign embeddings over each example's events (zeros if none)."""
         tables = self.model.embeddings
         events = (tables.lookup("item", batch.seq_ad_id) + tables.lookup("campaign", batch.seq_campaign_id))
-        seg = segment_ids(batch.seq_offsets)  # [ΣL]
+        seg = segment_ids(batch.seq_offsets, events.shape[0])  # [ΣL]; the count given: no device sync
         total = events.new_zeros(batch.size, events.shape[1]).index_add(0, seg, events)
         count = batch.seq_offsets.diff().clamp_min(1).to(total.dtype)
         return (total / count.unsqueeze(1)).float()
