@@ -160,6 +160,54 @@ def test_rendered_pytorchjob_validates_against_the_official_crd():
     assert job["spec"]["nprocPerNode"] == "8"
 
 
+def test_spec_volumes_are_mounted_in_every_pod_and_validate_against_the_official_crd():
+    """spec.volumes: a data claim (read-only by default) and a writable one with a subPath, in both replicas."""
+    obj = _gemt(parallelism={"numNodes": 2}, volumes=[
+        {"claimName": "ads-logs", "mountPath": "/data"},
+        {"claimName": "scratch", "mountPath": "/scratch", "readOnly": False, "subPath": "team-a"}])
+    job = render.render_pytorchjob(obj)
+    jsonschema.validate(job, _pytorchjob_schema())
+    for replica in ("Master", "Worker"):
+        pod = job["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]
+        assert pod["volumes"][-2:] == [
+            {"name": "volume-0", "persistentVolumeClaim": {"claimName": "ads-logs", "readOnly": True}},
+            {"name": "volume-1", "persistentVolumeClaim": {"claimName": "scratch", "readOnly": False}}]
+        assert pod["containers"][0]["volumeMounts"][-2:] == [
+            {"name": "volume-0", "mountPath": "/data", "readOnly": True},
+            {"name": "volume-1", "mountPath": "/scratch", "readOnly": False, "subPath": "team-a"}]
+        names = [v["name"] for v in pod["volumes"]]
+        assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(("volume", "field", "words"), [
+    ({"claimName": "Logs", "mountPath": "/data"}, "claimName", "not a valid object name"),
+    ({"claimName": "logs", "mountPath": "data"}, "mountPath", "absolute path"),
+    ({"claimName": "logs", "mountPath": "/"}, "mountPath", "absolute path"),
+    ({"claimName": "logs", "mountPath": "/var/lib/gem"}, "mountPath", "overlaps the checkpoint volume"),
+    ({"claimName": "logs", "mountPath": "/etc/gem/data"}, "mountPath", "overlaps the config"),
+    ({"claimName": "logs", "mountPath": "/dev"}, "mountPath", "overlaps shared memory"),
+    ({"claimName": "logs", "mountPath": "/data", "subPath": "../x"}, "subPath", "without '..'"),
+])
+def test_spec_volumes_the_pod_could_not_carry_are_not_runnable(volume, field, words):
+    from gem.api.validation import runnable_problems
+
+    problems = runnable_problems(_gemt(volumes=[{"claimName": "ok", "mountPath": "/ok"}, volume]))
+    assert len(problems) == 1 and problems[0].startswith(f"spec.volumes[1].{field}: ") and words in problems[0]
+
+
+def test_two_spec_volumes_at_one_path_are_not_runnable_and_a_teacher_path_is_kept_free():
+    from gem.api.validation import runnable_problems
+
+    problems = runnable_problems(_gemt(volumes=[{"claimName": "a", "mountPath": "/data"},
+                                                {"claimName": "b", "mountPath": "/data/more"}]))
+    assert problems == ["spec.volumes[1].mountPath: '/data/more' overlaps spec.volumes[0].mountPath (/data); "
+                        "pick another directory, e.g. /data"]
+    lfd = LoopFMDistill.model_validate({"metadata": {"name": "lfd"}, "spec": {
+        "teacher": {"gemTraining": "quick"}, "volumes": [{"claimName": "a", "mountPath": "/var/lib/gem/teacher"}]}})
+    assert ["overlaps a teacher" in p for p in runnable_problems(lfd)] == [True]
+    assert runnable_problems(_gemt(volumes=[{"claimName": "a", "mountPath": "/var/lib/gem/teacher"}])) == []
+
+
 def test_single_node_job_has_no_workers_and_a_distill_job_mounts_its_teacher():
     obj = _gemt(parallelism={"numNodes": 1})
     assert "Worker" not in render.render_pytorchjob(obj)["spec"]["pytorchReplicaSpecs"]

@@ -574,3 +574,20 @@ def test_a_job_named_by_an_earlier_release_is_still_found(cluster, monkeypatch):
     assert (status["phase"], status["pytorchJob"]) == ("Created", f"{name}-train"), status
     assert "JobDeleted" not in warnings(cluster, name)
     assert [j["metadata"]["name"] for j in cluster.list(JOBS, "PyTorchJob")] == [f"{name}-train"]
+
+
+def test_a_teacher_claim_at_a_path_a_spec_volume_takes_moves_to_the_teacher_mount_path():
+    """The teacher's checkpoint claim is mounted at its own path unless the student's pod already mounts
+    something there: spec.volumes count as well as the checkpoint volume."""
+    from gem.api.types import TEACHER_MOUNT_PATH, LoopFMDistill
+    from gem_operator.reconcile import _teacher_mount
+
+    def lfd(volumes):
+        return LoopFMDistill.model_validate({"metadata": {"name": "lfd", "namespace": "ns"}, "spec": {
+            "teacher": {"gemTraining": "quick"}, "volumes": volumes}})
+
+    ckpt = "/models/ns/quick/step-00000010"
+    free = _teacher_mount(lfd([{"claimName": "logs", "mountPath": "/data"}]), ckpt, "teacher-pvc", "/models")
+    assert (free.mount_path, free.checkpoint) == ("/models", ckpt)
+    moved = _teacher_mount(lfd([{"claimName": "logs", "mountPath": "/models"}]), ckpt, "teacher-pvc", "/models")
+    assert (moved.mount_path, moved.checkpoint) == (TEACHER_MOUNT_PATH, f"{TEACHER_MOUNT_PATH}/ns/quick/step-00000010")

@@ -748,12 +748,20 @@ TINY = {
 
 @real_trainer
 def test_real_trainer_end_to_end(client, root, tmp_path):
-    """`gem train` for real: one tiny job that succeeds and one whose data is missing, side by side
-    (the trainer's start-up dominates, so they share it)."""
+    """`gem train` for real: one tiny job that succeeds, one whose data is missing and one reading Parquet
+    shards from a claim in spec.volumes, side by side (the trainer's start-up dominates, so they share it)."""
+    from gem.api.types import SyntheticDataSpec
+    from gem.data.parquet import write_synthetic
+
     ok = client.submit({"kind": "GEMTraining", "metadata": {"name": "tiny"}, "spec": TINY})
     bad_spec = {**TINY, "data": {"source": "parquet", "path": str(tmp_path / "no-such-shards")},
                 "mlflow": {"enabled": False}}
     bad = client.submit({"kind": "GEMTraining", "metadata": {"name": "nodata"}, "spec": bad_spec})
+    # the claim is a directory under <root>/claims locally; the pod sees it at its mountPath
+    write_synthetic(SyntheticDataSpec.model_validate(TINY["data"]["synthetic"]), root / "claims/ads-logs/logs")
+    claimed_spec = {**TINY, "data": {"source": "parquet", "path": "/data/logs"}, "mlflow": {"enabled": False},
+                    "volumes": [{"claimName": "ads-logs", "mountPath": "/data"}]}
+    claimed = client.submit({"kind": "GEMTraining", "metadata": {"name": "claimed"}, "spec": claimed_spec})
 
     with pytest.raises(JobFailedError) as info:
         client.wait(bad, timeout=300)
@@ -771,6 +779,10 @@ def test_real_trainer_end_to_end(client, root, tmp_path):
     assert st.latest_checkpoint and Path(st.latest_checkpoint).exists()
     assert str(root / "claims") in st.latest_checkpoint
     assert st.mlflow and st.mlflow.run_id and (root / "mlflow.db").exists()  # the default local store
+    try:
+        assert client.wait(claimed, timeout=300).status.progress.step == 3
+    except JobFailedError as e:
+        pytest.fail(f"{e}\n--- master log ---\n" + "\n".join(client.logs("claimed"))[-4000:])
     out = _gemctl("list", "gt", "--local", root=root)
     assert out.returncode == 0, out.stderr
     assert "tiny" in out.stdout and "Succeeded" in out.stdout and "nodata" in out.stdout and "Failed" in out.stdout

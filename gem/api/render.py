@@ -248,6 +248,15 @@ def _pod_template(
         volumes.append({"name": "teacher", "persistentVolumeClaim": {"claimName": teacher.claim_name, "readOnly": True}})
         mounts.append({"name": "teacher", "mountPath": teacher.mount_path, "readOnly": True})
 
+    for i, vol in enumerate(spec.volumes):
+        name = f"volume-{i}"  # ours, so it never collides with the operator's own volume names
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": vol.claim_name,
+                                                                "readOnly": vol.read_only}})
+        mount = {"name": name, "mountPath": vol.mount_path, "readOnly": vol.read_only}
+        if vol.sub_path:
+            mount["subPath"] = vol.sub_path
+        mounts.append(mount)
+
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or defaults.trainer_image,

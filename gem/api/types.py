@@ -28,6 +28,9 @@ CONFIG_MOUNT_PATH = "/etc/gem"
 CONFIG_FILE_NAME = "config.yaml"
 #: The trainer writes its final report here; Kubernetes copies it into the pod's status.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+#: Where a distillation's teacher claim is mounted when its own path is taken by the student's mounts
+#: (say both use the default /var/lib/gem/checkpoints on different claims).
+TEACHER_MOUNT_PATH = "/var/lib/gem/teacher"
 #: The trainer image used when a spec names none and the operator is configured with none.
 DEFAULT_TRAINER_IMAGE = "ghcr.io/gem-platform/trainer:0.1.0"
 
@@ -356,6 +359,15 @@ class CheckpointSpec(ApiModel):
     keep_last: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class ClaimVolume(ApiModel):
+    """A PersistentVolumeClaim mounted into every pod of the job, e.g. the Parquet logs data.path reads."""
+
+    claim_name: str = Field(description="The PersistentVolumeClaim, in the resource's namespace.")
+    mount_path: str = Field(description="Absolute directory it is mounted at inside the pod, e.g. /data.")
+    read_only: bool = Field(True, description="Mount it read-only (the trainer only reads data).")
+    sub_path: str | None = Field(None, description="Mount only this relative directory of the claim.")
+
+
 def is_file_store(uri: str) -> bool:
     """Whether an MLflow tracking URI names a file store: `file:///mnt/mlruns`, or a plain directory.
     Such a store keeps each metric in a file named after it, so the trainer's `ne` and `ne/click`
@@ -439,6 +451,11 @@ class CommonJobSpec(ApiModel):
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="Retries, deadline, cleanup.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Queue and priority.")
     suspend: bool = Field(False, description="Suspend the job: pods are stopped; resuming continues from the last checkpoint.")
+    volumes: list[ClaimVolume] = Field(
+        default_factory=list, max_length=16,
+        description="PersistentVolumeClaims mounted into every pod besides the checkpoint claim, e.g. the one "
+        "holding the Parquet logs that data.path reads.",
+    )
 
 
 class GEMTrainingSpec(CommonJobSpec):

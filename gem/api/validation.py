@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gem.api.types import CONFIG_MOUNT_PATH
+from gem.api.types import CONFIG_MOUNT_PATH, TEACHER_MOUNT_PATH
 from gem.parallel.job import choose_plan, deepspeed_overrides, explicit_degrees, spec_hints
 from gem.parallel.plan import DEEPSPEED_DIMS
 from gem.parallel.topology import Topology
@@ -279,6 +279,39 @@ def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
     return deepspeed_override_problems(overrides, derived)
 
 
+def _overlaps(a: str, b: str) -> bool:
+    """Whether one of two absolute paths is the other or lies below it."""
+    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/") or "/" in (a, b)
+
+
+def _volume_problems(spec: Any) -> list[tuple[str, str | None]]:
+    """spec.volumes: claim names, and mount paths the pod can carry beside the operator's own mounts."""
+    taken = {"the config": CONFIG_MOUNT_PATH, "shared memory": "/dev/shm",
+             "the checkpoint volume (spec.checkpoint.path)": spec.checkpoint.path}
+    if getattr(spec, "teacher", None) is not None:
+        taken["a teacher mounted away from its own path"] = TEACHER_MOUNT_PATH
+    checks: list[tuple[str, str | None]] = []
+    for i, vol in enumerate(spec.volumes):
+        where = f"spec.volumes[{i}]"
+        checks.append((f"{where}.claimName", _subdomain(vol.claim_name)))
+        path = vol.mount_path
+        if not path.startswith("/") or ":" in path or not path.rstrip("/"):
+            checks.append((f"{where}.mountPath", f"{path!r} must be an absolute path without ':', other than '/', "
+                                                 "e.g. /data"))
+        else:
+            clash = next((what for what, other in taken.items() if _overlaps(path, other)), None)
+            if clash:
+                checks.append((f"{where}.mountPath", f"{path!r} overlaps {clash} ({taken[clash]}); pick another "
+                                                     "directory, e.g. /data"))
+            taken[f"spec.volumes[{i}].mountPath"] = path
+        if vol.sub_path is not None and (not vol.sub_path or vol.sub_path.startswith("/")
+                                         or ".." in vol.sub_path.split("/")):
+            checks.append((f"{where}.subPath", f"{vol.sub_path!r} must be a relative path inside the claim, "
+                                               "without '..'"))
+    return checks
+
+
 def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
     """(path, problem) for each value of a parsed spec that its PyTorchJob or pods could not carry, or
     that its trainer would refuse at setup (training.deepspeed)."""
@@ -323,6 +356,7 @@ def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
                                                f"({', '.join(_RESERVED_MOUNTS)}); pick another directory"))
     if spec.checkpoint.claim_name:
         checks.append(("spec.checkpoint.claimName", _subdomain(spec.checkpoint.claim_name)))
+    checks.extend(_volume_problems(spec))
     if spec.mlflow.credentials_secret:
         checks.append(("spec.mlflow.credentialsSecret", _subdomain(spec.mlflow.credentials_secret)))
     teacher = getattr(spec, "teacher", None)

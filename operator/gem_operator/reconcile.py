@@ -17,10 +17,10 @@ import kopf
 import pydantic
 
 from gem.api import render, status as st
-from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TERMINAL_PHASES, CheckpointSpec, Phase
+from gem.api.types import CONFIG_MOUNT_PATH, KINDS, TEACHER_MOUNT_PATH, TERMINAL_PHASES, CheckpointSpec, Phase
 from gem_operator import kube, parallel
 from gem_operator.settings import CONFIG
-from gem_operator.validation import InvalidSpec, parse_resource
+from gem_operator.validation import InvalidSpec, _overlaps, parse_resource
 
 #: What the spec the job was rendered from means: see spec_digest.
 ANNOTATION_SPEC_DIGEST = "gem.dev/spec-digest"
@@ -183,23 +183,13 @@ def _no_checkpoint(ns: str, ref: str, claim: str, path: str) -> TeacherNotReady:
     )
 
 
-#: Where a teacher's checkpoint claim is mounted when its own path would collide with the
-#: student's volumes (say both use the default /var/lib/gem/checkpoints on different claims).
-TEACHER_MOUNT_PATH = "/var/lib/gem/teacher"
-
-
-def _overlaps(a: str, b: str) -> bool:
-    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
-    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
-
-
 def _teacher_mount(obj: Any, checkpoint: str, claim: str | None, path: str | None) -> render.TeacherMount:
     """The teacher's claim mounted read-only at its own path, or at TEACHER_MOUNT_PATH (with the
     checkpoint path rewritten) when that path is taken by one of the student's mounts."""
     spec = obj.spec
     if not claim or not path or (claim == spec.checkpoint.claim_name and path == spec.checkpoint.path):
         return render.TeacherMount(checkpoint=checkpoint, claim_name=claim, mount_path=path)
-    taken = (spec.checkpoint.path, CONFIG_MOUNT_PATH, "/dev/shm")
+    taken = (spec.checkpoint.path, CONFIG_MOUNT_PATH, "/dev/shm", *(v.mount_path for v in spec.volumes))
     if any(_overlaps(path, t) for t in taken) and _overlaps(checkpoint, path):
         rest = checkpoint.rstrip("/")[len(path.rstrip("/")):].lstrip("/")
         checkpoint = f"{TEACHER_MOUNT_PATH}/{rest}" if rest else TEACHER_MOUNT_PATH

@@ -17,6 +17,7 @@ from gem.api.validation import (  # noqa: F401
     _RESERVED_MOUNTS,
     _label_key,
     _label_value,
+    _overlaps,
     _procs_fit_gpus,
     _subdomain,
     runnable_field_problems,
