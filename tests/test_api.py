@@ -208,6 +208,30 @@ def test_two_spec_volumes_at_one_path_are_not_runnable_and_a_teacher_path_is_kep
     assert runnable_problems(_gemt(volumes=[{"claimName": "a", "mountPath": "/var/lib/gem/teacher"}])) == []
 
 
+def test_spec_env_reaches_the_trainer_container_after_the_operators_own():
+    obj = _gemt(env=[{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}, {"name": "NCCL_DEBUG", "value": "WARN"}])
+    job = render.render_pytorchjob(obj)
+    jsonschema.validate(job, _pytorchjob_schema())
+    env = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
+    assert env[-2:] == [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}, {"name": "NCCL_DEBUG", "value": "WARN"}]
+    assert env[0]["name"] == "GEM_CHECKPOINT_DIR"
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("1NCCL", "not a valid variable name"), ("A=B", "not a valid variable name"),
+    ("GEM_CHECKPOINT_DIR", "the operator sets GEM_*"), ("MASTER_ADDR", "spec.parallelism"),
+    ("PET_NNODES", "spec.parallelism"), ("RANK", "spec.parallelism"),
+    ("MLFLOW_TRACKING_PASSWORD", "spec.mlflow.credentialsSecret"), ("DS_ACCELERATOR", "gpusPerNode"),
+    ("CUDA_VISIBLE_DEVICES", "nvidia.com/gpu"), ("NCCL_DEBUG", "set twice"),
+])
+def test_spec_env_the_platform_sets_or_kubernetes_refuses_is_not_runnable(name, words):
+    from gem.api.validation import runnable_problems
+
+    problems = runnable_problems(_gemt(env=[{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": name, "value": "x"}]))
+    assert len(problems) == 1 and problems[0].startswith("spec.env[1].name: ") and words in problems[0], problems
+    assert runnable_problems(_gemt(env=[{"name": "RANKING_MODE", "value": "1"}, {"name": "GEMINI", "value": "1"}])) == []
+
+
 def test_single_node_job_has_no_workers_and_a_distill_job_mounts_its_teacher():
     obj = _gemt(parallelism={"numNodes": 1})
     assert "Worker" not in render.render_pytorchjob(obj)["spec"]["pytorchReplicaSpecs"]

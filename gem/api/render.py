@@ -219,6 +219,7 @@ def _pod_template(
         env.append({"name": "MLFLOW_TRACKING_URI", "value": tracking_uri})
     if spec.resources.gpus_per_node == 0:
         env.append({"name": "DS_ACCELERATOR", "value": "cpu"})
+    env.extend({"name": var.name, "value": var.value} for var in spec.env)
 
     resources: dict[str, Any] = {"requests": {"cpu": spec.resources.cpu, "memory": spec.resources.memory}}
     if spec.resources.gpus_per_node:

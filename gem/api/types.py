@@ -368,6 +368,13 @@ class ClaimVolume(ApiModel):
     sub_path: str | None = Field(None, description="Mount only this relative directory of the claim.")
 
 
+class EnvVar(ApiModel):
+    """An environment variable of the trainer container, e.g. NCCL_SOCKET_IFNAME."""
+
+    name: str = Field(description="Variable name: letters, digits, '_', '-' and '.', not starting with a digit.")
+    value: str = Field("", description="Its value, in clear text (credentials belong in mlflow.credentialsSecret).")
+
+
 def is_file_store(uri: str) -> bool:
     """Whether an MLflow tracking URI names a file store: `file:///mnt/mlruns`, or a plain directory.
     Such a store keeps each metric in a file named after it, so the trainer's `ne` and `ne/click`
@@ -451,6 +458,11 @@ class CommonJobSpec(ApiModel):
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="Retries, deadline, cleanup.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Queue and priority.")
     suspend: bool = Field(False, description="Suspend the job: pods are stopped; resuming continues from the last checkpoint.")
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64,
+        description="Extra environment of the trainer container (e.g. NCCL tuning); the variables the operator, "
+        "the training operator and torchrun set are refused.",
+    )
     volumes: list[ClaimVolume] = Field(
         default_factory=list, max_length=16,
         description="PersistentVolumeClaims mounted into every pod besides the checkpoint claim, e.g. the one "

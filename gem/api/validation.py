@@ -279,6 +279,42 @@ def _deepspeed_problems(spec: Any) -> list[tuple[str, str]]:
     return deepspeed_override_problems(overrides, derived)
 
 
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+#: Variables others set in the trainer container, by name or prefix, and what to set instead. The training
+#: operator appends its own after ours (the last definition wins) and torchrun overrides its workers', so a
+#: spec value there would be silently lost; the rest would contradict the spec.
+_ENV_RESERVED = (
+    (("GEM_",), "the operator sets GEM_* variables"),
+    (("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PET_", "TORCHELASTIC_", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+      "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"),
+     "the training operator and torchrun set the rendezvous variables; use spec.parallelism"),
+    (("MLFLOW_TRACKING_",), "use spec.mlflow.trackingUri, and spec.mlflow.credentialsSecret for credentials "
+                            "(never in the spec in clear text)"),
+    (("DS_ACCELERATOR",), "set from spec.resources.gpusPerNode (cpu when it is 0)"),
+    (("CUDA_VISIBLE_DEVICES",), "the GPUs of the pod are the ones its nvidia.com/gpu request gets"),
+)
+
+
+def _env_problems(spec: Any) -> list[tuple[str, str | None]]:
+    """spec.env: names Kubernetes takes, each once, none that the platform sets itself."""
+    checks: list[tuple[str, str | None]] = []
+    seen: set[str] = set()
+    for i, var in enumerate(spec.env):
+        where, name = f"spec.env[{i}].name", var.name
+        if not _ENV_NAME.match(name):
+            checks.append((where, f"{name!r} is not a valid variable name: letters, digits, '_', '-' and '.', "
+                                  "not starting with a digit"))
+            continue
+        why = next((why for names, why in _ENV_RESERVED
+                    if any(name == n or (n.endswith("_") and name.startswith(n)) for n in names)), None)
+        if why:
+            checks.append((where, f"{name!r} cannot be set here: {why}"))
+        elif name in seen:
+            checks.append((where, f"{name!r} is set twice; keep one"))
+        seen.add(name)
+    return checks
+
+
 def _overlaps(a: str, b: str) -> bool:
     """Whether one of two absolute paths is the other or lies below it."""
     a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
@@ -357,6 +393,7 @@ def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
     if spec.checkpoint.claim_name:
         checks.append(("spec.checkpoint.claimName", _subdomain(spec.checkpoint.claim_name)))
     checks.extend(_volume_problems(spec))
+    checks.extend(_env_problems(spec))
     if spec.mlflow.credentials_secret:
         checks.append(("spec.mlflow.credentialsSecret", _subdomain(spec.mlflow.credentials_secret)))
     teacher = getattr(spec, "teacher", None)
