@@ -451,9 +451,11 @@ def test_extra_env_cannot_repeat_a_variable() -> None:
     """The env list is a map keyed by name: server-side apply (Helm 4, Flux) refuses a duplicate, and
     client-side apply keeps both. An extraEnv naming a variable the chart sets rendered it twice."""
     full = {"mlflow": {"trackingUri": "http://mlflow:5000", "uiUrl": "https://mlflow.example.com", "credentialsSecret": "m"},
-            "kueue": {"enabled": True}}
+            "kueue": {"enabled": True}, "trainer": {"imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]}}
     names = [e["name"] for e in operator_container(render(full))["env"]]
     assert len(names) == len(set(names))
+    assert env_of(operator_container(render(full)))["GEM_TRAINER_IMAGE_PULL_SECRETS"] == "regcred,mirror"
+    assert "GEM_TRAINER_IMAGE_PULL_SECRETS" not in env_of(operator_container(render()))
     # the operator sets these two itself from its flags, overwriting an env of the same name
     for name in [*names, "GEM_WATCH_NAMESPACES", "GEM_READINESS_URL"]:
         with pytest.raises(helm.HelmRenderError, match=f"operator.extraEnv sets {name}, which the chart sets from"):

@@ -87,6 +87,8 @@ BAD_VALUES = [
     ({"kueue": {"localQueueNamespaces": ["Team_A"]}}, "/kueue/localQueueNamespaces/0"),
     # with watchNamespaces the LocalQueues go to exactly those: a second list would be ignored
     ({"watchNamespaces": ["team-a"], "kueue": {"localQueueNamespaces": ["team-b"]}}, "/kueue/localQueueNamespaces"),
+    # the operator refuses a name that is not a Secret's at start (GEM_TRAINER_IMAGE_PULL_SECRETS)
+    ({"trainer": {"imagePullSecrets": [{"name": "Not_A_Name"}]}}, "/trainer/imagePullSecrets/0/name"),
     ({"metrics": {"port": 0}}, "/metrics/port"),
     ({"metrics": {"service": {"type": "Ingress"}}}, "/metrics/service/type"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),

@@ -35,6 +35,7 @@ def _start(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
         ("GEM_METRICS_PORT", "70000", "must be a TCP port"),
         ("GEM_API_TIMEOUT_SECONDS", "nan", "must be a number >= 1"),
         ("GEM_LOG_FORMAT", "text", "must be one of full, plain, json"),
+        ("GEM_TRAINER_IMAGE_PULL_SECRETS", "regcred,Bad_Name", "'Bad_Name' is not a valid object name"),
     ],
 )
 def test_a_bad_env_value_stops_the_operator_naming_the_variable(tmp_path, name, value, expected):
@@ -117,3 +118,20 @@ def test_a_permanent_api_error_leaves_a_warning_event_on_the_resource(tmp_path):
         finally:
             op.kill()
             op.wait(10)
+
+
+def test_trainer_image_pull_secrets_reach_every_trainer_pod(monkeypatch):
+    from gem.api import render
+    from gem.api.types import GEMTraining
+    from gem_operator import settings
+
+    monkeypatch.setenv("GEM_TRAINER_IMAGE_PULL_SECRETS", "regcred, mirror,")
+    defaults = settings.OperatorConfig.from_env().platform_defaults()
+    job = render.render_pytorchjob(GEMTraining.model_validate({"metadata": {"name": "q", "namespace": "ns", "uid": "u"},
+                                                               "spec": {"parallelism": {"numNodes": 2}}}), defaults=defaults)
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    monkeypatch.delenv("GEM_TRAINER_IMAGE_PULL_SECRETS")
+    job = render.render_pytorchjob(GEMTraining.model_validate({"metadata": {"name": "q", "uid": "u"}, "spec": {}}),
+                                   defaults=settings.OperatorConfig.from_env().platform_defaults())
+    assert "imagePullSecrets" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]

@@ -77,6 +77,8 @@ class PlatformDefaults:
     #: Kueue LocalQueue the PyTorchJob is queued in, as the label `queue_label`.
     queue_name: str | None = None
     queue_label: str = "kueue.x-k8s.io/queue-name"
+    #: Secrets in the job's namespace the kubelet pulls the trainer image with (a private registry).
+    image_pull_secrets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,8 @@ def _pod_template(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if defaults.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in defaults.image_pull_secrets]
     if spec.scheduling.priority_class_name:
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.resources.node_selector:

@@ -81,6 +81,8 @@ class OperatorConfig:
     teacher_poll_seconds: float = 5.0
     #: Trainer image for specs that name none.
     trainer_image: str | None = None
+    #: Secrets (in each job's namespace) the kubelet pulls the trainer image with.
+    trainer_image_pull_secrets: tuple[str, ...] = ()
     #: Secret with MLflow credentials for specs that name none (a name only: never read).
     mlflow_credentials_secret: str | None = None
     #: Kueue LocalQueue every PyTorchJob is labelled for (none: Kueue not used).
@@ -105,6 +107,7 @@ class OperatorConfig:
     def platform_defaults(self) -> render.PlatformDefaults:
         return render.PlatformDefaults(
             trainer_image=self.trainer_image or DEFAULT_TRAINER_IMAGE,
+            image_pull_secrets=self.trainer_image_pull_secrets,
             mlflow_credentials_secret=self.mlflow_credentials_secret,
             queue_name=self.kueue_queue_name,
             queue_label=self.kueue_queue_label,
@@ -119,6 +122,7 @@ class OperatorConfig:
             resync_seconds=_number("GEM_RESYNC_SECONDS", 30, minimum=1),
             teacher_poll_seconds=_number("GEM_TEACHER_POLL_SECONDS", 5, minimum=0.1),
             trainer_image=os.environ.get("GEM_TRAINER_IMAGE") or None,
+            trainer_image_pull_secrets=_secret_names("GEM_TRAINER_IMAGE_PULL_SECRETS"),
             mlflow_credentials_secret=os.environ.get("GEM_MLFLOW_CREDENTIALS_SECRET") or None,
             kueue_queue_name=os.environ.get("GEM_KUEUE_QUEUE_NAME") or None,
             kueue_queue_label=os.environ.get("GEM_KUEUE_QUEUE_LABEL") or "kueue.x-k8s.io/queue-name",
@@ -132,6 +136,18 @@ class OperatorConfig:
             ),
             namespaces=parse_namespaces(os.environ.get("GEM_WATCH_NAMESPACES") or "", "--namespace / GEM_WATCH_NAMESPACES"),
         )
+
+
+def _secret_names(name: str) -> tuple[str, ...]:
+    """A comma-separated list of Secret names (empty: none)."""
+    from gem.api.validation import _subdomain
+
+    raw = os.environ.get(name) or ""
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    for n in names:
+        if _subdomain(n):
+            raise SettingsError(f"{name}={raw!r}: {_subdomain(n)}")
+    return names
 
 
 def _port(name: str) -> int:
