@@ -170,8 +170,8 @@ def deepspeed_override_problems(overrides: dict[str, Any], derived: dict[str, An
         value = zero.get("stage") if isinstance(zero, dict) else zero
         problems.append((where, f"{value!r} differs from the trainer's {stage!r}; remove it and set "
                                 "spec.parallelism.zeroStage"))
-    given_hpz = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
-    if hpz is not None and given_hpz != hpz:
+    given_hpz = zero.get("zero_hpz_partition_size") if isinstance(zero, dict) else None
+    if hpz is not None and given_hpz is not None and given_hpz != hpz:
         # the trainer hands DeepSpeed the plan's dp_shard group as the hpZ group (prepare_deepspeed):
         # another partition size would contradict the group, or make DeepSpeed build its own across it
         problems.append(("spec.training.deepspeed.zero_optimization.zero_hpz_partition_size",
