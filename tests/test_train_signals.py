@@ -5,7 +5,6 @@ and a restart resumes the same run; and a rank-0 MLflow setup failure stops ever
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from gem.train import checkpoint
-from tests.test_gem_distributed import base_env
+from tests.test_gem_distributed import base_env, kill_tree
 
 pytestmark = pytest.mark.usefixtures("trainer_env")  # tests/conftest.py
 
@@ -52,7 +51,7 @@ def gem_train(config: str, tmp_path, *, sigterm_after: str | None = None) -> tup
     try:
         return proc.wait(timeout=HANG_S), seen + proc.stderr.read()
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         pytest.fail(f"no exit {HANG_S}s after start (or after SIGTERM)\n{seen[-4000:]}")
 
 
@@ -152,7 +151,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     try:
         out += proc.communicate(timeout=HANG_S)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         pytest.fail(f"hung after SIGTERM to rank 1\n{(out + proc.communicate()[0])[-4000:]}")
     stops = re.findall(r"rank=(\d) gem: gem train: stopped by SIGTERM before step (\d+)", out)
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({step for _, step in stops}) == 1, out[-4000:]
@@ -162,3 +161,25 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("term2").experiment_id])
     assert run.info.status == "KILLED"
+
+
+def test_a_sigterm_recorded_during_the_stop_all_reduce_is_kept_for_the_next_step(monkeypatch):
+    """A rank spends most of a step waiting in collectives, the stop flag's all-reduce among them, and
+    Python runs the SIGTERM handler as soon as that call returns. The reduced 0 then overwrote the
+    recorded signal, and the run never stopped (seen: both ranks training on 3,000 steps after rank 1's
+    SIGTERM). The signal arrives inside this fake all-reduce, after the flag was sent."""
+    from types import SimpleNamespace
+
+    import torch.distributed as torch_dist
+
+    from gem.train.trainer import Trainer
+
+    rank = SimpleNamespace(env=SimpleNamespace(world_size=2, device="cpu"), _signal=None)
+
+    def all_reduce(flag, op=None):  # the peer has no signal: MAX keeps this rank's value
+        if rank._signal is None:
+            rank._signal = signal.SIGTERM  # the handler, run as the collective returns
+    monkeypatch.setattr(torch_dist, "all_reduce", all_reduce)
+    assert Trainer._stop_requested(rank) is False  # this step's flag went out before the signal
+    assert rank._signal == signal.SIGTERM
+    assert Trainer._stop_requested(rank) is True  # the next step's carries it: every rank stops there

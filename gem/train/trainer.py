@@ -304,13 +304,16 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGTERM. Collective, once per step: torchrun signals each rank on its own,
         and a rank that stopped alone would leave the others waiting in the next step's collectives."""
-        stop = self._signal is not None
-        if self.env.world_size > 1:
-            flag = torch.tensor([self._signal or 0], device=self.env.device)
-            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-            self._signal = int(flag.item()) or None
-            stop = self._signal is not None
-        return stop
+        if self.env.world_size == 1:
+            return self._signal is not None
+        flag = torch.tensor([self._signal or 0], device=self.env.device)
+        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+        reduced = int(flag.item())
+        # A SIGTERM recorded while the all-reduce ran (a rank waits there for its peers most of a step)
+        # is not in `reduced`: keep it for the next step's, never overwrite it with this one's 0.
+        if reduced and self._signal is None:
+            self._signal = reduced
+        return reduced != 0
 
     def _run(self) -> dict[str, Any]:
         last_ckpt = self.resumed_from
