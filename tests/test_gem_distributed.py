@@ -38,6 +38,27 @@ def manifest(tmp_path, name, zero_stage):
     return path
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launched process and everything below it: torchrun starts its workers in sessions of
+    their own, so a killpg of the launcher's group alone left them training (and holding its output
+    pipe, so a later communicate() never returned)."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)  # before the launcher dies and they are reparented
+    except psutil.NoSuchProcess:
+        below = []
+    for p in below:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +93,7 @@ def run_two_nodes(config, tmp_path, **extra):
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
         outs = [p.communicate()[0] for p in procs]
         pytest.fail(f"hung: no exit {TIMEOUT_S}s after start\n" +
                     "\n".join(f"--- node {r}\n{o[-3000:]}" for r, o in enumerate(outs)))

@@ -8,15 +8,13 @@ A rank that cannot write its checkpoint files must stop every rank cleanly."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from tests.test_gem_distributed import base_env, free_port
+from tests.test_gem_distributed import base_env, free_port, kill_tree
 
 HANG_S = 120  # a healthy resume of this tiny job takes ~20 s on 2 shared cores
 
@@ -49,7 +47,7 @@ def run(config, tmp_path, **extra) -> tuple[int, str]:
         out = proc.communicate(timeout=HANG_S)[0]
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out = proc.communicate()[0]
         pytest.fail(f"hung: no exit {HANG_S}s after start (a rank waits in a collective the other never "
                     f"entered)\n{out[-4000:]}")
@@ -102,7 +100,7 @@ def run_two_nodes(config, tmp_path, node_env: list[dict[str, str]]) -> list[tupl
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
         outs = [p.communicate()[0] for p in procs]
         pytest.fail(f"hung: no exit {HANG_S}s after start (a rank waits in a collective the other never "
                     "entered)\n" + "\n".join(f"--- node {r}\n{o[-3000:]}" for r, o in enumerate(outs)))
