@@ -122,6 +122,13 @@ def _train(manifest: Any, command: str) -> int:
         # abort that peer ("terminate called without an active exception", seen once under load).
         barrier()
         return 0
+    except BaseException as e:
+        if getattr(e, "on_every_rank", False) or getattr(e.__cause__, "on_every_rank", False):
+            # every rank raised this one together (a config error found on one rank, a SIGTERM stop):
+            # leave together too, or a peer may abort (exit -6 instead of 2, seen in a fresh-clone run)
+            with contextlib.suppress(Exception):
+                barrier()
+        raise
     finally:
         shutdown()
 

@@ -171,3 +171,40 @@ def test_eval_under_torchrun_shards_the_split_and_rank_0_reports(tmp_path, capsy
     sharded = json.loads(reports[0])
     assert sharded["checkpoint"] == str(ckpt) and sharded["metrics"]["num_examples"] == 178  # no padding rows
     _same_metrics(sharded["metrics"], alone["metrics"])
+
+
+@pytest.mark.parametrize("collective", [True, False])
+def test_ranks_failing_together_leave_the_process_group_together(monkeypatch, collective):
+    """An error every rank raises at once (on_every_rank: a config error found on one rank, a SIGTERM
+    stop) is followed by a barrier before the group is destroyed, as a success is: a rank tearing down
+    its gloo pairs while its peer still used them aborted the peer (exit -6 instead of 2, seen in a
+    fresh-clone make test). An error of this rank alone gets no barrier: its peers may never reach one."""
+    from types import SimpleNamespace
+
+    import gem.train.dist as dist
+    import gem.train.trainer as trainer
+    from gem.data.errors import SpecError
+
+    calls: list[str] = []
+    error = SpecError("spec.mlflow.experiment: deleted")
+    if collective:
+        error.on_every_rank = True
+
+    class FailingTrainer:
+        def __init__(self, task, env):
+            pass
+
+        def run(self):
+            raise error
+
+    monkeypatch.setattr(dist, "init_distributed", lambda: SimpleNamespace(is_main=True))
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(checkpoint, "check_writable", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "Trainer", FailingTrainer)
+    monkeypatch.setattr(cli, "_task", lambda *a: None)
+    manifest = SimpleNamespace(metadata=SimpleNamespace(namespace="t", name="x"),
+                               spec=SimpleNamespace(checkpoint=SimpleNamespace(path="/tmp")))
+    with pytest.raises(Exception):
+        cli._train(manifest, "train")
+    assert calls == (["barrier", "shutdown"] if collective else ["shutdown"])

@@ -136,9 +136,12 @@ def on_every_rank(fn: Callable[[], Any], *, kept: type[Exception], what: str | N
         error, result = e, None
     failed = failures_by_rank(None if error is None else (isinstance(error, kept), str(error)))
     if error is not None:
+        error.on_every_rank = True  # type: ignore[attr-defined]
         raise error
     for rank, (is_kept, message) in failed.items():
-        raise kept(message) if is_kept else RuntimeError(f"rank {rank}{f' failed to {what}' if what else ''}: {message}")
+        raised = kept(message) if is_kept else RuntimeError(f"rank {rank}{f' failed to {what}' if what else ''}: {message}")
+        raised.on_every_rank = True  # type: ignore[attr-defined]
+        raise raised
     return result
 
 

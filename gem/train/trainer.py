@@ -84,6 +84,8 @@ class Terminated(Exception):
     """The job was told to stop (SIGTERM: Kubernetes deleting, preempting or draining its pod, or
     torchrun passing that on) and stopped at a step boundary; the process exits 128 + the signal."""
 
+    on_every_rank = True  # the stop is all-reduced: every rank raises it at the same step
+
     def __init__(self, signum: int, step: int, last_ckpt: Path | None):
         self.signum = signum
         resume = f"a restart resumes from {last_ckpt.name}" if last_ckpt else "no checkpoint was saved yet"
