@@ -88,7 +88,10 @@ def _spec_errors_as_config_errors() -> Iterator[None]:
     try:
         yield
     except SpecError as e:
-        raise ConfigError(str(e)) from e
+        error = ConfigError(str(e))
+        if getattr(e, "on_every_rank", False):  # raised by every rank together: so is this one
+            error.on_every_rank = True  # type: ignore[attr-defined]
+        raise error from e
 
 
 def _task(manifest: Any, command: str, env: Any) -> Any:
@@ -123,7 +126,7 @@ def _train(manifest: Any, command: str) -> int:
         barrier()
         return 0
     except BaseException as e:
-        if getattr(e, "on_every_rank", False) or getattr(e.__cause__, "on_every_rank", False):
+        if getattr(e, "on_every_rank", False):
             # every rank raised this one together (a config error found on one rank, a SIGTERM stop):
             # leave together too, or a peer may abort (exit -6 instead of 2, seen in a fresh-clone run)
             with contextlib.suppress(Exception):

@@ -25,8 +25,8 @@ from gem.parallel.topology import Topology
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-#: Paths the operator mounts itself; the checkpoint volume may not take them.
-_RESERVED_MOUNTS = (CONFIG_MOUNT_PATH, "/dev/shm")
+#: Paths the operator mounts itself, and what they hold; the checkpoint volume and spec.volumes may not take them.
+_RESERVED_MOUNTS = {CONFIG_MOUNT_PATH: "the config", "/dev/shm": "shared memory"}
 
 
 def _subdomain(value: str) -> str | None:
@@ -323,8 +323,8 @@ def _overlaps(a: str, b: str) -> bool:
 
 def _volume_problems(spec: Any) -> list[tuple[str, str | None]]:
     """spec.volumes: claim names, and mount paths the pod can carry beside the operator's own mounts."""
-    taken = {"the config": CONFIG_MOUNT_PATH, "shared memory": "/dev/shm",
-             "the checkpoint volume (spec.checkpoint.path)": spec.checkpoint.path}
+    taken = {what: path for path, what in _RESERVED_MOUNTS.items()}
+    taken["the checkpoint volume (spec.checkpoint.path)"] = spec.checkpoint.path
     if getattr(spec, "teacher", None) is not None:
         taken["a teacher mounted away from its own path"] = TEACHER_MOUNT_PATH
     checks: list[tuple[str, str | None]] = []
@@ -387,7 +387,7 @@ def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
         checks.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} must be an absolute path without ':'"))
     elif not path:
         checks.append(("spec.checkpoint.path", "'/' cannot be a volume: pick a directory such as /var/lib/gem/checkpoints"))
-    elif any(path == m or path.startswith(m + "/") or m.startswith(path + "/") for m in _RESERVED_MOUNTS):
+    elif any(_overlaps(path, m) for m in _RESERVED_MOUNTS):
         checks.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} overlaps a path the operator mounts itself "
                                                f"({', '.join(_RESERVED_MOUNTS)}); pick another directory"))
     if spec.checkpoint.claim_name:

@@ -145,8 +145,9 @@ def _secret_names(name: str) -> tuple[str, ...]:
     raw = os.environ.get(name) or ""
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     for n in names:
-        if _subdomain(n):
-            raise SettingsError(f"{name}={raw!r}: {_subdomain(n)}")
+        problem = _subdomain(n)
+        if problem:
+            raise SettingsError(f"{name}={raw!r}: {problem}")
     return names
 
 
