@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def segment_ids(offsets: torch.Tensor, num_values: int | None = None) -> torch.Tensor:
-    """The example each event belongs to: int64 [ΣL] from offsets [B+1] (num_values: ΣL where known,
-    so a GPU need not read it back from the device)."""
-    num_segments = offsets.numel() - 1
-    return torch.repeat_interleave(torch.arange(num_segments, device=offsets.device), offsets.diff(),
-                                   output_size=num_values)
+from gem.ops.common import segment_ids  # also what gem.distill and gem.loopfm import from here
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
