@@ -185,12 +185,15 @@ def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) 
 
 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
-    """gem (as `gem train` builds it), gem_compskip_off[_first_summary|_early_recent], gem_wide_off, gem_wide_dots,
-    gem_plus_dlrm[_shared] (LogitSum), dlrm or padded; initialised under `seed`."""
+    """gem (as `gem train` builds it), gem_no_match (no exact-match flags on the events),
+    gem_compskip_off[_first_summary|_early_recent], gem_wide_off, gem_wide_dots,
+    gem_plus_dlrm[_shared|_no_match] (LogitSum), dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
         return GEMModel(cfg)
+    if kind == "gem_no_match":
+        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=False)), cfg.max_seq_len)
     if kind in COMPSKIP_OFF_MODELS:
         return OverBatch(COMPSKIP_OFF_MODELS[kind](dataclasses.replace(kunlun_config(cfg), compskip=False)),
                          cfg.max_seq_len)
@@ -198,8 +201,9 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
-    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared"):
-        gem = KunlunModel(kunlun_config(cfg))  # GEM first: its initial weights are those of kind "gem"
+    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"):
+        # GEM first: its initial weights are those of kind "gem" (of "gem_no_match" without the flags)
+        gem = KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=not kind.endswith("_no_match")))
         dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg)))
         return OverBatch(LogitSum(gem, dlrm, shared_embeddings=kind.endswith("_shared")), cfg.max_seq_len)
     if kind == "dlrm":
@@ -702,7 +706,8 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
                 "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray",
-                "gem_compskip_off_first_summary": "tab:olive", "gem_compskip_off_early_recent": "tab:cyan"}
+                "gem_compskip_off_first_summary": "tab:olive", "gem_compskip_off_early_recent": "tab:cyan",
+                "gem_no_match": "tab:pink", "gem_plus_dlrm_no_match": "darkred"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

@@ -131,9 +131,9 @@ def test_swapped_attention_agrees_on_short_histories_only():
     assert math.isfinite(m["ne/click"])
 
 
-@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared"])
+@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"])
 def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
-    """The LogitSum variants: GEM's part starts as kind "gem" does, every task's logit is GEM's plus
+    """The LogitSum variants: GEM's part starts as kind "gem" (or "gem_no_match") does, every task's logit is GEM's plus
     DLRM's, and only the shared variant hands DLRM's gradient to GEM's embedding tables."""
     mode = quality.MODES["smoke"]
     spec = SyntheticDataSpec(seed=quality.WORLD_SEED, num_users=300, num_ads=100, mean_history_len=40.0)
@@ -141,7 +141,11 @@ def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     mspec = quality.model_spec(mode["preset"], mode["max_seq_len"])
     both = quality.build(kind, mspec, seed=3)
     gem, dlrm = both.inner.gem, both.inner.dlrm
-    alone = quality.build("gem", mspec, seed=3).state_dict()
+    if kind.endswith("_no_match"):  # GEM's part is kind "gem_no_match": no exact-match embedding
+        alone = quality.build("gem_no_match", mspec, seed=3).inner.state_dict()
+        assert not any("match_emb" in k for k in alone)
+    else:
+        alone = quality.build("gem", mspec, seed=3).state_dict()
     assert all(torch.equal(v, alone[k]) for k, v in gem.state_dict().items()) and len(alone) == len(gem.state_dict())
     shared = kind.endswith("_shared")
     assert (dlrm.embeddings is gem.embeddings) == shared

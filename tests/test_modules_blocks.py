@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,6 +260,26 @@ def test_oneseq_encoder_merges_by_time_truncates_and_matches_reference_kernel():
     # Truncation keeps the most recent events.
     many = _inputs_with(clicks=[list(range(100))], convs=[[]], imps=[[]])
     assert enc(many, emb, candidate[:1]).offsets.tolist() == [0, TIER.max_seq_len]
+
+
+@pytest.mark.parametrize("match_flags", [True, False])
+def test_oneseq_match_flags_mark_events_on_the_candidates_ids_only_when_on(match_flags):
+    """E_match tells an event on the candidate's ad / campaign from any other; match_flags=False
+    builds no match embedding, and then only the product term sees the candidate."""
+    cfg = dataclasses.replace(CFG, match_flags=match_flags)
+    torch.manual_seed(0)
+    emb, enc = FeatureEmbeddings(cfg), OneSeqEncoder(cfg, TIER)
+    assert (enc.match_emb is not None) == match_flags
+    assert any("match_emb" in k for k in enc.state_dict()) == match_flags
+    with torch.no_grad():
+        enc.target.weight.zero_()  # silence the product term: what is left of the candidate is E_match
+    inputs = _inputs_with(clicks=[[5, 9]], convs=[[]], imps=[[]])  # the event at t=5 has ids 5
+    candidate = torch.randn(1, cfg.dim)
+    on_event = dataclasses.replace(inputs, sparse={**inputs.sparse, "ad": single_id_bag(torch.tensor([5])),
+                                                   "campaign": single_id_bag(torch.tensor([5]))})
+    a, b = enc(inputs, emb, candidate).values, enc(on_event, emb, candidate).values
+    assert torch.equal(a[1], b[1])  # the event at t=9 matches neither candidate
+    assert torch.equal(a[0], b[0]) != match_flags
 
 
 def test_heads_use_the_example_surface_and_losses_are_masked():

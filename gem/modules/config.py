@@ -150,6 +150,10 @@ class KunlunConfig:
     fm_hidden: int = 128
     target_aware_events: bool = True
     """Add Proj(e_event ⊙ e_candidate) to every event token (shared tables make matches visible)."""
+    match_flags: bool = True
+    """With target_aware_events: also add E_match, an embedding of which candidate ids (ad,
+    campaign) the event shares. Without it GEM `small` barely learns the history term; with it,
+    beside a DLRM branch, that branch stops learning the user x ad affinity (docs/quality.md)."""
     rotary_scale: float = 16.0
     """Rotary phase = rotary_scale · log1p(age / 60 s)."""
     num_time_buckets: int = 32

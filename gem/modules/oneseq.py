@@ -101,7 +101,7 @@ class OneSeqEncoder(JaggedModule):
         # equals the candidate's (e.g. same ad, same campaign): 2^n buckets.
         tables = {s.name: s.table for s in cfg.features.sparse}
         self.match_features = tuple(c for c in cfg.features.candidate if tables[c] in cfg.features.event_tables) \
-            if use_target else ()
+            if use_target and cfg.match_flags else ()
         self.match_tables = tuple(tables[c] for c in self.match_features)
         self.match_emb = nn.Embedding(2 ** len(self.match_features), dt) if self.match_features else None
         if self.match_emb is not None:
