@@ -322,7 +322,7 @@ def variant_study(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: di
     ne = {name: run["ne"] for name, run in res.items()}
     ne.update({f"{r}/{kind}": base["ne"][f"{r}/{kind}"] for r in runs for kind in MORE_DATA_KINDS})
     minus_gem = {r: {t: ne[f"{r}/{variant}"][t] - ne[f"{r}/gem"][t] for t in TASKS} for r in runs}
-    return {"variant": variant, "baseline": str(base_path), "seeds": list(seeds), "ne": ne, "ne_minus_gem": minus_gem,
+    return {"variant": variant, "baseline": quality.shown_path(base_path), "seeds": list(seeds), "ne": ne, "ne_minus_gem": minus_gem,
             "ne_minus_gem_seed_mean": {t: _mean([minus_gem[f"s{s}"][t] for s in seeds]) for t in TASKS},
             "terms": terms, "bayes_terms": base["bayes_terms"], "budgets": budgets, "world": world}
 

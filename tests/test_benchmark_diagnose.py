@@ -68,7 +68,7 @@ def test_diagnose_smoke(tmp_path):
     vout = tmp_path / "variant.json"
     assert diagnose.main(["--smoke", "--variant", "gem_wide_dots", "--baseline", str(out), "--out", str(vout)]) == 0
     v = json.loads(vout.read_text())
-    assert v["variant"] == "gem_wide_dots"
+    assert v["variant"] == "gem_wide_dots" and v["baseline"] == str(out.resolve())  # outside the repo: as given
     assert v["command"] == (f"python -m benchmarks.diagnose --smoke --threads 1 --out {vout.resolve()} "
                             f"--variant gem_wide_dots --baseline {out.resolve()}")
     for kind in ("gem", "dlrm"):
