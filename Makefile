@@ -64,6 +64,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.diagnose --variant gem_compskip_off_early_recent --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_no_match --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_plus_dlrm_no_match --jobs 2
+	-$(PY) -m benchmarks.diagnose --variant gem_plus_decayed_dlrm_no_match --jobs 2
 	$(PY) -m benchmarks.wide_heads --jobs 2
 
 clean:

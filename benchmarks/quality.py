@@ -187,7 +187,8 @@ def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) 
 def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
     """gem (as `gem train` builds it), gem_no_match (no exact-match flags on the events),
     gem_compskip_off[_first_summary|_early_recent], gem_wide_off, gem_wide_dots,
-    gem_plus_dlrm[_shared|_no_match] (LogitSum), dlrm or padded; initialised under `seed`."""
+    gem_plus_dlrm[_shared|_no_match], gem_plus_decayed_dlrm_no_match (LogitSum; the last with
+    DLRMConfig.history_decay), dlrm or padded; initialised under `seed`."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
     if kind == "gem":
@@ -201,10 +202,10 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
-    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"):
+    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match", "gem_plus_decayed_dlrm_no_match"):
         # GEM first: its initial weights are those of kind "gem" (of "gem_no_match" without the flags)
         gem = KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=not kind.endswith("_no_match")))
-        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg)))
+        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg), history_decay="_decayed_" in kind))
         return OverBatch(LogitSum(gem, dlrm, shared_embeddings=kind.endswith("_shared")), cfg.max_seq_len)
     if kind == "dlrm":
         return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
@@ -707,7 +708,8 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 MODEL_COLORS = {"gem": "tab:blue", "dlrm": "tab:orange", "padded": "tab:green", "gem_wide_dots": "tab:purple",
                 "gem_plus_dlrm": "tab:red", "gem_plus_dlrm_shared": "tab:brown", "gem_compskip_off": "tab:gray",
                 "gem_compskip_off_first_summary": "tab:olive", "gem_compskip_off_early_recent": "tab:cyan",
-                "gem_no_match": "tab:pink", "gem_plus_dlrm_no_match": "darkred"}
+                "gem_no_match": "tab:pink", "gem_plus_dlrm_no_match": "darkred",
+                "gem_plus_decayed_dlrm_no_match": "darkgreen"}
 
 
 def plot_main(doc: dict[str, Any], path: Path) -> None:

@@ -131,7 +131,8 @@ def test_swapped_attention_agrees_on_short_histories_only():
     assert math.isfinite(m["ne/click"])
 
 
-@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"])
+@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match",
+                                  "gem_plus_decayed_dlrm_no_match"])
 def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     """The LogitSum variants: GEM's part starts as kind "gem" (or "gem_no_match") does, every task's logit is GEM's plus
     DLRM's, and only the shared variant hands DLRM's gradient to GEM's embedding tables."""
@@ -149,6 +150,7 @@ def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     assert all(torch.equal(v, alone[k]) for k, v in gem.state_dict().items()) and len(alone) == len(gem.state_dict())
     shared = kind.endswith("_shared")
     assert (dlrm.embeddings is gem.embeddings) == shared
+    assert (dlrm.log_decay is not None) == ("_decayed_" in kind)
     n = {name: sum(p.numel() for p in m.parameters()) for name, m in (("both", both), ("gem", gem), ("dlrm", dlrm))}
     assert n["both"] == n["gem"] + n["dlrm"] - (sum(p.numel() for p in gem.embeddings.parameters()) if shared else 0)
 

@@ -233,6 +233,33 @@ def test_dlrm_baseline_trains_a_step(batch):
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("embeddings.tables"))
 
 
+def test_dlrm_history_decay_weights_each_event_by_its_age(batch):
+    """history_decay: each event's embedding is weighted by exp(-age · rate) before pooling, the
+    rate learnt per event type; off (the default) it is the plain sum and has no rate."""
+    plain = _model(cls=lambda c: DLRMModel(DLRMConfig(base=c)))
+    decayed = _model(cls=lambda c: DLRMModel(DLRMConfig(base=c, history_decay=True)))
+    assert plain.log_decay is None and not any("log_decay" in k for k in plain.state_dict())
+    decayed.load_state_dict(plain.state_dict(), strict=False)  # the same tables
+    d = CFG.dim
+    got = decayed.pooled_history(batch)
+    for i, name in enumerate(decayed.event_types):
+        seq = batch.sequences[name]
+        for b in range(batch.size):
+            lo, hi = int(seq.offsets[b]), int(seq.offsets[b + 1])
+            e = decayed.embeddings.events(seq)[lo:hi]
+            age = (batch.request_time[b] - seq.timestamps[lo:hi]).float().clamp_min(0)
+            want = (e * torch.exp(-age / 86400.0)[:, None]).sum(0) / d ** 0.5
+            torch.testing.assert_close(got[b, i], want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(got, plain.pooled_history(batch))
+    with torch.no_grad():  # a rate of ~0: every event weighs 1, the plain sum
+        decayed.log_decay.fill_(-60.0)
+    torch.testing.assert_close(decayed.pooled_history(batch), plain.pooled_history(batch))
+    with torch.no_grad():
+        decayed.log_decay.fill_(-11.0)
+    decayed.loss(batch)[0].backward()
+    assert decayed.log_decay.grad is not None and bool(decayed.log_decay.grad.abs().gt(0).any())
+
+
 def test_an_empty_candidate_bag_matches_nothing_instead_of_a_neighbours_id(batch):
     """An example whose candidate-ad bag is empty has no id to match its events against; the
     flags once read the next example's first id (offsets[b] points there), leaking it."""
