@@ -22,7 +22,6 @@ from gem.modules.config import KunlunConfig, Task
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.heads import multitask_loss
 from gem.modules.inputs import GemInputs
-from gem.ops import segment_ids, segment_sum
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -67,19 +66,9 @@ class DLRMModel(nn.Module):
         return {t.name: logits[:, i].float() for i, t in enumerate(self.tasks)}
 
     def pooled_history(self, inputs: GemInputs) -> torch.Tensor:
-        """Each event type's history as one token [B, num_event_types, d]: the sum of its events'
-        embeddings / √d, each weighted by exp(-age · rate) with history_decay."""
-        if self.log_decay is None:
-            return self.embeddings.pooled_events(inputs)
-        pooled = []
-        for i, name in enumerate(self.event_types):
-            seq = inputs.sequences[name]
-            e = self.embeddings.events(seq)  # [ΣL, d]
-            seg = segment_ids(seq.offsets, e.shape[0])
-            age = (inputs.request_time[seg] - seq.timestamps).float().clamp_min(0)  # s
-            w = torch.exp(-age * self.log_decay[i].exp()).to(e.dtype)
-            pooled.append(segment_sum(e * w[:, None], seq.offsets))
-        return torch.stack(pooled, dim=1) / math.sqrt(self.cfg.base.dim)
+        """Each event type's history as one token [B, num_event_types, d] (FeatureEmbeddings.pooled_events),
+        each event weighted by exp(-age · rate) with history_decay."""
+        return self.embeddings.pooled_events(inputs, None if self.log_decay is None else self.log_decay.exp())
 
     def loss(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return multitask_loss(self(inputs), inputs.labels, self.tasks, inputs.weight)

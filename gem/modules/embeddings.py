@@ -18,7 +18,7 @@ from torch import nn
 from gem.modules.common import linear_flops
 from gem.modules.config import KunlunConfig
 from gem.modules.inputs import EventSequence, GemInputs
-from gem.ops import segment_sum
+from gem.ops import segment_ids, segment_sum
 
 
 def hash_ids(ids: torch.Tensor, buckets: int, salt: int) -> torch.Tensor:
@@ -80,11 +80,19 @@ class FeatureEmbeddings(nn.Module):
             out = e if out is None else out + e
         return out
 
-    def pooled_events(self, inputs: GemInputs) -> torch.Tensor:
+    def pooled_events(self, inputs: GemInputs, decay_rates: torch.Tensor | None = None) -> torch.Tensor:
         """Each event type's history as one token: the sum of its events' embeddings / √d, so a
-        long history's token stays near the others' scale. [B, num_event_types, d]"""
-        pooled = [segment_sum(self.events(inputs.sequences[e]), inputs.sequences[e].offsets)
-                  for e in self.cfg.features.event_types]
+        long history's token stays near the others' scale. [B, num_event_types, d]
+        decay_rates [num_event_types], 1/s: weight each event by exp(-age · rate of its type)."""
+        pooled = []
+        for i, name in enumerate(self.cfg.features.event_types):
+            seq = inputs.sequences[name]
+            e = self.events(seq)  # [ΣL, d]
+            if decay_rates is not None:
+                seg = segment_ids(seq.offsets, e.shape[0])
+                age = (inputs.request_time[seg] - seq.timestamps).float().clamp_min(0)  # s
+                e = e * torch.exp(-age * decay_rates[i]).to(e.dtype)[:, None]
+            pooled.append(segment_sum(e, seq.offsets))
         return torch.stack(pooled, dim=1) / math.sqrt(self.cfg.dim)
 
     def flops(self, batch: int) -> float:
