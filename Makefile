@@ -33,9 +33,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-## test: lint, then the whole test suite
+## test: lint, then the whole test suite on two pytest-xdist workers (TEST_WORKERS=0: one process)
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 
 ## crds: regenerate manifests/crds and the chart's copy from gem/api/types.py
 crds: $(STAMP)

@@ -12,6 +12,22 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # `import tests.kubeapi` under plain `pytest` too
     sys.path.insert(0, _ROOT)
 
+# --------------------------------------------------------------------------- xdist
+# `make test` runs the suite on two pytest-xdist workers. Each worker (and every process it starts:
+# trainers, ranks, the operator) gets its own share of the cores, so that torch, which sizes its
+# thread pool from the CPU affinity (gem.train.dist too), never runs two workers' threads on one
+# core: oversubscribed OpenMP threads spin, and made some tests ten times slower.
+
+
+def pytest_configure(config):
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count::count])
+
+
 # --------------------------------------------------------------------------- kubeapi
 # The Kubernetes API test server (tests/kubeapi, docs/kubeapi.md).
 
