@@ -70,8 +70,8 @@ SWAP = {"gem": "padded", "padded": "gem"}  # the model whose attention is swappe
 # CompSkip off (both paths in every layer: which terms it learns less, as its click NE trails GEM's);
 # CompSkip off whose summary is layer 0's, pooled before any attention (quality.FirstSummaryModel), and
 # that probe with layer 0's last K events also taken before its attention (quality.EarlyRecentModel);
-# GEM without the events' exact-match flags (KunlunConfig.match_flags), alone and beside a DLRM branch,
-# whose history pools may decay with age (DLRMConfig.history_decay)
+# GEM without the events' exact-match flags (KunlunConfig.match_flags), alone, beside a DLRM branch, and
+# with the affinity branch (KunlunConfig.affinity_branch: a DLRM whose history pools decay with age)
 VARIANTS = ("gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_compskip_off",
             "gem_compskip_off_first_summary", "gem_compskip_off_early_recent", "gem_no_match",
             "gem_plus_dlrm_no_match", "gem_plus_decayed_dlrm_no_match")

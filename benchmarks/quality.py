@@ -184,13 +184,20 @@ def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) 
     return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
 
 
-def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
+def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED, gem_config: dict[str, Any] | None = None) -> nn.Module:
     """gem (as `gem train` builds it), gem_no_match (no exact-match flags on the events),
     gem_compskip_off[_first_summary|_early_recent], gem_wide_off, gem_wide_dots,
-    gem_plus_dlrm[_shared|_no_match], gem_plus_decayed_dlrm_no_match (LogitSum; the last with
-    DLRMConfig.history_decay), dlrm or padded; initialised under `seed`."""
+    gem_plus_dlrm[_shared|_no_match] (LogitSum), gem_plus_decayed_dlrm_no_match (GEM without the
+    flags, with KunlunConfig.affinity_branch), dlrm or padded; initialised under `seed`.
+    `gem_config`: KunlunConfig fields set on gem, padded and gem_compskip_off (--gem-config: a
+    candidate design in the main study; DLRM stays the baseline)."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
+    if gem_config and kind in ("gem", "padded", "gem_compskip_off"):
+        base = dataclasses.replace(kunlun_config(cfg), **gem_config)
+        model = {"gem": KunlunModel, "padded": PaddedKunlunModel}.get(kind)
+        return OverBatch(model(base) if model else KunlunModel(dataclasses.replace(base, compskip=False)),
+                         cfg.max_seq_len)
     if kind == "gem":
         return GEMModel(cfg)
     if kind == "gem_no_match":
@@ -202,11 +209,14 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED) -> nn.Module:
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
         return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
-    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match", "gem_plus_decayed_dlrm_no_match"):
+    if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"):
         # GEM first: its initial weights are those of kind "gem" (of "gem_no_match" without the flags)
         gem = KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=not kind.endswith("_no_match")))
-        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg), history_decay="_decayed_" in kind))
+        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg)))
         return OverBatch(LogitSum(gem, dlrm, shared_embeddings=kind.endswith("_shared")), cfg.max_seq_len)
+    if kind == "gem_plus_decayed_dlrm_no_match":  # KunlunConfig.affinity_branch: LogitSum's weights, in one model
+        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=False, affinity_branch=True)),
+                         cfg.max_seq_len)
     if kind == "dlrm":
         return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
     if kind == "padded":
@@ -357,7 +367,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(job["threads"])
     train, eval_ = load_data(job["data"])
     seed = job.get("seed", TRAIN_SEED)
-    model = build(job["kind"], model_spec(job["preset"], job["max_seq_len"], job.get("embedding_dim")), seed=seed)
+    model = build(job["kind"], model_spec(job["preset"], job["max_seq_len"], job.get("embedding_dim")), seed=seed,
+                  gem_config=job.get("gem_config"))
     run = train_and_evaluate(model, train, eval_, steps=job["steps"], batch=job["batch"], lr=job["lr"],
                              warmup=job["warmup"], max_seq_len=job["max_seq_len"], seed=seed)
     run["history_len"] = {"mean": float(train.seq_lengths.mean()), "p90": float(np.quantile(train.seq_lengths, 0.9)),
@@ -464,7 +475,8 @@ def _summary(run: dict[str, Any]) -> dict[str, Any]:
             "eval_seconds": run["eval_seconds"], "final_train_loss": run["final_train_loss"]}
 
 
-def plan_main(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
+def plan_main(mode: dict[str, Any], threads: int, kinds: tuple[str, ...] = MAIN_KINDS,
+              gem_config: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     steps, batch = mode["steps"], mode["batch"]
     spec = synthetic_spec(mode, mean_history_len=mode["world"]["mean_history_len"], train_examples=steps * batch,
                           eval_examples=mode["eval_examples"])
@@ -472,20 +484,21 @@ def plan_main(mode: dict[str, Any], threads: int) -> dict[str, dict[str, Any]]:
 
     def job(kind: str, seed: int) -> dict[str, Any]:
         return dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"], steps=steps,
-                    batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed)
+                    batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed,
+                    **({"gem_config": gem_config} if gem_config else {}))
 
-    jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in MAIN_KINDS}
+    jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in kinds}
     # Every model again under other seeds (init and data order): one run's NE wanders by more than
     # the models differ, so comparisons are means over paired seeds.
     for seed in mode["seeds"]:
         if seed != TRAIN_SEED:
-            jobs.update({f"seeds/s{seed}/{kind}": job(kind, seed) for kind in MAIN_KINDS})
+            jobs.update({f"seeds/s{seed}/{kind}": job(kind, seed) for kind in kinds})
     return jobs
 
 
 def runs_by_seed(mode: dict[str, Any], res: dict[str, dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
     """{seed: {model kind: run}} of the main comparison; seed 0's runs are the main/ jobs."""
-    return {seed: {k: res[f"main/{k}" if seed == TRAIN_SEED else f"seeds/s{seed}/{k}"] for k in MAIN_KINDS}
+    return {seed: {k: r for k in MAIN_KINDS if (r := res.get(f"main/{k}" if seed == TRAIN_SEED else f"seeds/s{seed}/{k}"))}
             for seed in mode["seeds"]}
 
 
@@ -578,7 +591,7 @@ def study_main(mode: dict[str, Any], jobs: dict[str, dict[str, Any]], res: dict[
     by_seed = runs_by_seed(mode, res)
     runs = by_seed[TRAIN_SEED]
     ne, gap, beats, ne_by_seed, paired = compare([{k: r[k] for k in MODELS} for r in by_seed.values()])
-    compskip = compskip_study(by_seed)
+    compskip = compskip_study(by_seed) if "gem_compskip_off" in runs else {"skipped": True, "delta_rel": None}
     job = jobs["main/gem"]
     return {
         "world": job["data"]["spec"],
@@ -701,7 +714,7 @@ def targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "gap_closed_min": {"value": worst, "target": ">= 0.5", "met": worst is not None and worst >= 0.5,
                            "worst": min(gaps, key=gaps.get) if gaps else None},
         "compskip_ne_delta_rel": {"value": doc["compskip_ne_delta_rel"], "target": "<= 0.001",
-                                  "met": doc["compskip_ne_delta_rel"] <= 0.001},
+                                  "met": doc["compskip_ne_delta_rel"] is not None and doc["compskip_ne_delta_rel"] <= 0.001},
     }
 
 
@@ -750,8 +763,10 @@ def plot_main(doc: dict[str, Any], path: Path) -> None:
         # Say why (skipped, or the loader's error) rather than leave an empty chart.
         ax.text(0.5, 0.5, f"MovieLens-100K: {ml['reason']}", ha="center", wrap=True)
         ax.axis("off")
+    delta = doc["compskip_ne_delta_rel"]
     fig.suptitle(f"GEM vs baselines, held-out world seed {WORLD_SEED}; CompSkip on vs off: "
-                 f"{100 * doc['compskip_ne_delta_rel']:.2f}% relative NE")
+                 + (f"{100 * delta:.2f}% relative NE" if delta is not None else "skipped")
+                 + (f"\nGEM: {doc['gem_config']}" if doc.get("gem_config") else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -788,6 +803,24 @@ def plot_scaling(scaling: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def parse_gem_config(p: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """--gem-config FIELD=JSON ... -> {field: value}, each field one of KunlunConfig's."""
+    from gem.modules.config import KunlunConfig
+
+    fields = {f.name for f in dataclasses.fields(KunlunConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            p.error(f"--gem-config {item!r}: expected FIELD=JSON with FIELD a KunlunConfig field "
+                    f"(e.g. affinity_branch=true), got {name!r}")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            p.error(f"--gem-config {item!r}: {value!r} is not JSON (true, false, a number or a quoted string)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group()
@@ -799,9 +832,13 @@ def main(argv: list[str] | None = None) -> int:
                         " on a shared machine a 2-thread op waits a scheduler slice for its second thread)")
     p.add_argument("--jobs", type=int, default=1,
                    help="training runs at once, in a process pool (results are identical to --jobs 1)")
-    p.add_argument("--skip", nargs="*", default=[], choices=("scaling", "movielens"),
+    p.add_argument("--skip", nargs="*", default=[], choices=("compskip", "scaling", "movielens"),
                    help="leave a study out (recorded as skipped)")
+    p.add_argument("--gem-config", nargs="+", default=[], metavar="FIELD=JSON",
+                   help="a candidate design: KunlunConfig fields for GEM, padded GEM and CompSkip off "
+                        "(e.g. match_flags=false affinity_branch=true); DLRM is unchanged")
     args = p.parse_args(argv)
+    gem_config = parse_gem_config(p, args.gem_config)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
     t0 = time.time()
@@ -810,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or (1 if load_before[0] > cores - 0.5 else cores))
     threads = torch.get_num_threads()
     _log(f"mode {name}, {args.jobs} worker(s) of {threads} thread(s), load {load_before[0]:.1f}")
-    jobs = plan_main(mode, threads)
+    kinds = tuple(k for k in MAIN_KINDS if not (k == "gem_compskip_off" and "compskip" in args.skip))
+    jobs = plan_main(mode, threads, kinds, gem_config)
     if "scaling" not in args.skip:
         jobs.update(plan_scaling(mode, threads))
     if "movielens" not in args.skip:
@@ -825,10 +863,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
         + (f" --threads {args.threads}" if args.threads else "")
         + (f" --skip {' '.join(args.skip)}" if args.skip else "")
+        + (f" --gem-config {' '.join(args.gem_config)}" if args.gem_config else "")
         + (f" --out {shown_path(args.out)}" if args.out != QUALITY_OUT else ""),
         "mode": name,
         "world_seed": WORLD_SEED,
         "train_seed": TRAIN_SEED,
+        **({"gem_config": gem_config} if gem_config else {}),
         "ne": main_study["ne"],
         "gap_closed": main_study["gap_closed"],
         "compskip_ne_delta_rel": main_study["compskip_ne_delta_rel"],

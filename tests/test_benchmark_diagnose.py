@@ -131,8 +131,18 @@ def test_swapped_attention_agrees_on_short_histories_only():
     assert math.isfinite(m["ne/click"])
 
 
-@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match",
-                                  "gem_plus_decayed_dlrm_no_match"])
+def test_the_decayed_variant_is_gem_without_flags_with_the_affinity_branch():
+    """gem_plus_decayed_dlrm_no_match is built in one model (KunlunConfig.affinity_branch, whose
+    test shows it equals the LogitSum of the two): its trunk starts as kind gem_no_match does."""
+    mspec = quality.model_spec(quality.MODES["smoke"]["preset"], quality.MODES["smoke"]["max_seq_len"])
+    model = quality.build("gem_plus_decayed_dlrm_no_match", mspec, seed=3).inner
+    assert model.cfg.affinity_branch and not model.cfg.match_flags and model.affinity.log_decay is not None
+    alone = quality.build("gem_no_match", mspec, seed=3).inner.state_dict()
+    trunk = {k: v for k, v in model.state_dict().items() if not k.startswith("affinity.")}
+    assert trunk.keys() == alone.keys() and all(torch.equal(v, alone[k]) for k, v in trunk.items())
+
+
+@pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"])
 def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     """The LogitSum variants: GEM's part starts as kind "gem" (or "gem_no_match") does, every task's logit is GEM's plus
     DLRM's, and only the shared variant hands DLRM's gradient to GEM's embedding tables."""
@@ -150,7 +160,6 @@ def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     assert all(torch.equal(v, alone[k]) for k, v in gem.state_dict().items()) and len(alone) == len(gem.state_dict())
     shared = kind.endswith("_shared")
     assert (dlrm.embeddings is gem.embeddings) == shared
-    assert (dlrm.log_decay is not None) == ("_decayed_" in kind)
     n = {name: sum(p.numel() for p in m.parameters()) for name, m in (("both", both), ("gem", gem), ("dlrm", dlrm))}
     assert n["both"] == n["gem"] + n["dlrm"] - (sum(p.numel() for p in gem.embeddings.parameters()) if shared else 0)
 

@@ -109,3 +109,35 @@ def test_quality_benchmark_smoke(tmp_path):
     assert all(isinstance(t["met"], bool) for t in doc["targets"].values())
     assert out.with_suffix(".png").stat().st_size > 0
     assert out.with_name("quality_scaling.png").stat().st_size > 0
+
+
+def test_a_candidate_design_replaces_gem_padded_and_compskip_off_but_not_dlrm(capsys):
+    """--gem-config: the KunlunConfig fields reach GEM, padded GEM and CompSkip off (each under its
+    own attention and schedule), DLRM stays the baseline; --skip compskip plans no CompSkip-off run;
+    a field KunlunConfig lacks, or a value that is not JSON, is an error that names it."""
+    import pytest
+
+    from gem.baselines import DLRMModel, PaddedKunlunModel
+
+    mode = quality.MODES["smoke"]
+    mspec = quality.model_spec(mode["preset"], mode["max_seq_len"])
+    cand = {"match_flags": False, "affinity_branch": True}
+    for kind in ("gem", "padded", "gem_compskip_off"):
+        inner = quality.build(kind, mspec, gem_config=cand).inner
+        assert inner.cfg.affinity_branch and not inner.cfg.match_flags and inner.affinity is not None
+        assert isinstance(inner, PaddedKunlunModel) == (kind == "padded")
+        assert inner.cfg.compskip == (kind != "gem_compskip_off")
+    assert quality.build("gem", mspec).cfg.affinity_branch is False  # without it: the default GEM
+    assert type(quality.build("dlrm", mspec, gem_config=cand).inner) is DLRMModel
+
+    kinds = tuple(k for k in quality.MAIN_KINDS if k != "gem_compskip_off")
+    jobs = quality.plan_main(mode, 1, kinds, cand)
+    assert {j["kind"] for j in jobs.values()} == {"gem", "dlrm", "padded"}
+    assert all(j["gem_config"] == cand for j in jobs.values())
+    assert len(jobs) == len(kinds) * len(mode["seeds"])
+
+    # rejected before any training
+    for bad, needle in (("nosuch=1", "got 'nosuch'"), ("affinity_branch=yes", "'yes' is not JSON")):
+        with pytest.raises(SystemExit):
+            quality.main(["--smoke", "--gem-config", bad])
+        assert needle in capsys.readouterr().err

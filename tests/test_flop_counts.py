@@ -42,6 +42,8 @@ def _component(path: str, ffn: str) -> str | None:
         return "oneseq"
     if len(parts) == 1 and parts[0] in ("final_weight_gen", "heads", "wide_heads"):
         return _TOP_PARTS[parts[0]]
+    if len(parts) == 1 and parts[0] == "affinity":  # its own embeddings, MLPs and dot products
+        return "affinity_branch"
     if len(parts) >= 3 and parts[0] == "layers" and parts[2] in _LAYER_PARTS:
         per_tier = parts[2] in ("seq_ffn", "hsp", "attn", "summary")
         if len(parts) == (4 if per_tier else 3):
@@ -129,13 +131,14 @@ def test_every_component_count_matches_flop_counter(preset, compskip, batch, max
     assert backward / forward == pytest.approx(2.0, rel=0.01)
 
 
-@pytest.mark.parametrize("seq_ffn,wide_dots,align", [("token_ffn", False, "start"), ("pffn", True, "start"),
-                                                     ("pffn", False, "end")])
-def test_variant_counts_match_flop_counter(seq_ffn, wide_dots, align):
-    """The PFFN benchmark's per-token-FFN baseline (its ideal's numerator), the wide dots, and
-    attention blocks anchored at the most recent event."""
+@pytest.mark.parametrize("seq_ffn,wide_dots,align,affinity", [("token_ffn", False, "start", False),
+                                                              ("pffn", True, "start", False),
+                                                              ("pffn", False, "end", True)])
+def test_variant_counts_match_flop_counter(seq_ffn, wide_dots, align, affinity):
+    """The PFFN benchmark's per-token-FFN baseline (its ideal's numerator), the wide dots,
+    attention blocks anchored at the most recent event, and the affinity branch."""
     cfg = PRESETS["tiny"]
-    cfg = dataclasses.replace(cfg, seq_ffn=seq_ffn, token_ffn_mult=4, wide_dots=wide_dots,
+    cfg = dataclasses.replace(cfg, seq_ffn=seq_ffn, token_ffn_mult=4, wide_dots=wide_dots, affinity_branch=affinity,
                               tiers=tuple(dataclasses.replace(t, block_align=align) for t in cfg.tiers))
     inputs = _inputs(cfg, 16, 512, seed=1)
     torch.manual_seed(0)
@@ -143,6 +146,7 @@ def test_variant_counts_match_flop_counter(seq_ffn, wide_dots, align):
     counted = model.flops(model.tier_lengths(inputs))
     measured, forward, _ = _measure(model, inputs)
     padding = _tile_padding(model, inputs)
+    assert ("affinity_branch" in counted) == affinity
     for k in counted:
         assert measured[k] == pytest.approx(counted[k] + padding.get(k, 0.0), rel=1e-9), k
     assert forward == pytest.approx(sum(measured.values()), rel=1e-9)

@@ -260,6 +260,29 @@ def test_dlrm_history_decay_weights_each_event_by_its_age(batch):
     assert decayed.log_decay.grad is not None and bool(decayed.log_decay.grad.abs().gt(0).any())
 
 
+def test_affinity_branch_adds_a_decayed_dlrm_built_after_the_trunk(batch):
+    """affinity_branch: the logits are the trunk's plus those of a DLRM with decayed history pools
+    and tables of its own; built last, so the trunk's initial weights are those of the model
+    without it, and the pair is exactly GEM and that DLRM trained as one (benchmarks.quality's
+    LogitSum: the recorded diagnose variant gem_plus_decayed_dlrm_no_match)."""
+    cfg = dataclasses.replace(CFG, match_flags=False)
+    model = _model(dataclasses.replace(cfg, affinity_branch=True))
+    torch.manual_seed(0)
+    trunk, dlrm = KunlunModel(cfg), DLRMModel(DLRMConfig(base=cfg, history_decay=True))
+    assert _model(cfg).affinity is None and not any(k.startswith("affinity.") for k in trunk.state_dict())
+    state = model.state_dict()
+    want = {**trunk.state_dict(), **{f"affinity.{k}": v for k, v in dlrm.state_dict().items()}}
+    assert state.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(state[k], v), k
+    assert model.affinity.embeddings is not model.embeddings
+    got, a, b = model(batch), trunk(batch), dlrm(batch)
+    for t in got:
+        torch.testing.assert_close(got[t], a[t] + b[t], atol=0, rtol=0)
+    model.loss(batch)[0].backward()
+    assert model.affinity.log_decay.grad is not None and bool(model.affinity.top[-1].weight.grad.abs().gt(0).any())
+
+
 def test_an_empty_candidate_bag_matches_nothing_instead_of_a_neighbours_id(batch):
     """An example whose candidate-ad bag is empty has no id to match its events against; the
     flags once read the next example's first id (offsets[b] points there), leaking it."""

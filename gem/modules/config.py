@@ -173,6 +173,11 @@ class KunlunConfig:
     """The wide heads also read the pairwise dot products of the raw tokens [X⁰ ‖ each event type's
     sum-pooled history] (the FM part of DeepFM, DLRM's interaction): a user x ad affinity is a dot
     product, which an MLP over concatenated embeddings learns slowly (docs/quality.md). Needs wide_heads."""
+    affinity_branch: bool = False
+    """A DLRM dot-interaction branch beside the trunk (gem.modules.dot_interaction: its own tables,
+    each event type's history pooled with a learnt age decay, pairwise dot products, MLPs), its
+    logits added to the heads'. DLRM learns the user x ad affinity through such dot products;
+    beside GEM it does so only without match_flags (docs/quality.md, docs/architecture.md §11)."""
     tasks: tuple[Task, ...] = FUNNEL_TASKS
 
     def __post_init__(self) -> None:

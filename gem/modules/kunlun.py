@@ -29,6 +29,7 @@ from gem.modules.attention import BlockAttentionLayer
 from gem.modules.common import (JaggedModule, SelfGate, TokenLinear, add_flops, linear_flops, pairwise_dots,
                                pairwise_dots_flops)
 from gem.modules.config import KunlunConfig, TierConfig
+from gem.modules.dot_interaction import DotInteraction
 from gem.modules.embeddings import FeatureEmbeddings
 from gem.modules.heads import MultiTaskHeads, multitask_loss
 from gem.modules.hsp import HierarchicalSeedPooling
@@ -181,6 +182,8 @@ class KunlunModel(JaggedModule):
         self.num_dot_tokens = cfg.num_non_seq_tokens + len(cfg.features.event_types) if cfg.wide_dots else 0
         wide_in = cfg.num_non_seq_tokens * d + self.num_dot_tokens * (self.num_dot_tokens - 1) // 2
         self.wide_heads = MultiTaskHeads(wide_in, cfg) if cfg.wide_heads else None
+        # last, so that the trunk's initial weights are those of the model without it
+        self.affinity = DotInteraction(cfg, history_decay=True) if cfg.affinity_branch else None
 
     def encode(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, TierBatch]]:
         x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]; sparse-feature tokens come first
@@ -200,10 +203,12 @@ class KunlunModel(JaggedModule):
             x, tiers, s_sum = layer(x, tiers, cache)
         h = torch.cat([x, self.final_weight_gen(x), s_sum.to(x.dtype)], dim=1)  # [B, N_ns + n_sum + Σ(n_out+K), d]
         logits = self.heads(self.head_norm(h).flatten(1), inputs.surface)
-        if self.wide_heads is None:
-            return logits
-        wide = self.wide_heads(self.wide_input(x0, inputs), inputs.surface)  # [B] per task
-        return {task: logits[task] + wide[task] for task in logits}
+        extra = []  # logits of the wide heads and the affinity branch, [B] per task
+        if self.wide_heads is not None:
+            extra.append(self.wide_heads(self.wide_input(x0, inputs), inputs.surface))
+        if self.affinity is not None:
+            extra.append(self.affinity(inputs))
+        return {task: sum((e[task] for e in extra), logits[task]) for task in logits}
 
     def wide_input(self, x0: torch.Tensor, inputs: GemInputs) -> torch.Tensor:
         """What the wide heads read: flatten(LN(X⁰)), and with wide_dots the pairwise dot products
@@ -265,4 +270,6 @@ class KunlunModel(JaggedModule):
         if self.wide_heads is not None:
             dots = pairwise_dots_flops(B, self.num_dot_tokens, self.cfg.dim)  # 0 without wide_dots
             add_flops(acc, "heads", self.wide_heads.flops(B) + dots)
+        if self.affinity is not None:
+            add_flops(acc, "affinity_branch", self.affinity.flops(B))
         return acc
