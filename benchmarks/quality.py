@@ -475,8 +475,7 @@ def _summary(run: dict[str, Any]) -> dict[str, Any]:
             "eval_seconds": run["eval_seconds"], "final_train_loss": run["final_train_loss"]}
 
 
-def plan_main(mode: dict[str, Any], threads: int, kinds: tuple[str, ...] = MAIN_KINDS,
-              gem_config: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def plan_main(mode: dict[str, Any], threads: int, kinds: tuple[str, ...] = MAIN_KINDS) -> dict[str, dict[str, Any]]:
     steps, batch = mode["steps"], mode["batch"]
     spec = synthetic_spec(mode, mean_history_len=mode["world"]["mean_history_len"], train_examples=steps * batch,
                           eval_examples=mode["eval_examples"])
@@ -484,8 +483,7 @@ def plan_main(mode: dict[str, Any], threads: int, kinds: tuple[str, ...] = MAIN_
 
     def job(kind: str, seed: int) -> dict[str, Any]:
         return dict(data=data, kind=kind, preset=mode["preset"], max_seq_len=mode["max_seq_len"], steps=steps,
-                    batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed,
-                    **({"gem_config": gem_config} if gem_config else {}))
+                    batch=batch, lr=mode["lr"], warmup=mode["warmup"], threads=threads, seed=seed)
 
     jobs = {f"main/{kind}": job(kind, TRAIN_SEED) for kind in kinds}
     # Every model again under other seeds (init and data order): one run's NE wanders by more than
@@ -848,11 +846,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     _log(f"mode {name}, {args.jobs} worker(s) of {threads} thread(s), load {load_before[0]:.1f}")
     kinds = tuple(k for k in MAIN_KINDS if not (k == "gem_compskip_off" and "compskip" in args.skip))
-    jobs = plan_main(mode, threads, kinds, gem_config)
+    jobs = plan_main(mode, threads, kinds)
     if "scaling" not in args.skip:
         jobs.update(plan_scaling(mode, threads))
     if "movielens" not in args.skip:
         jobs.update(plan_movielens(mode, threads))
+    if gem_config:  # every study's GEM runs are the candidate (build() leaves DLRM alone)
+        jobs = {name: dict(job, gem_config=gem_config) for name, job in jobs.items()}
     res = run_jobs(jobs, args.jobs)
     main_study = study_main(mode, jobs, res)
     scaling = {"skipped": True} if "scaling" in args.skip else study_scaling(mode, jobs, res)
