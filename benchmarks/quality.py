@@ -193,34 +193,31 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED, gem_config: dic
     candidate design in the main study; DLRM stays the baseline)."""
     cfg = config_from_spec(spec)
     torch.manual_seed(seed)
+    base = kunlun_config(cfg)
     if gem_config and kind in ("gem", "padded", "gem_compskip_off"):
-        base = dataclasses.replace(kunlun_config(cfg), **gem_config)
-        model = {"gem": KunlunModel, "padded": PaddedKunlunModel}.get(kind)
-        return OverBatch(model(base) if model else KunlunModel(dataclasses.replace(base, compskip=False)),
-                         cfg.max_seq_len)
+        base = dataclasses.replace(base, **gem_config)
     if kind == "gem":
-        return GEMModel(cfg)
+        return OverBatch(KunlunModel(base), cfg.max_seq_len) if gem_config else GEMModel(cfg)
     if kind == "gem_no_match":
-        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=False)), cfg.max_seq_len)
+        return OverBatch(KunlunModel(dataclasses.replace(base, match_flags=False)), cfg.max_seq_len)
     if kind in COMPSKIP_OFF_MODELS:
-        return OverBatch(COMPSKIP_OFF_MODELS[kind](dataclasses.replace(kunlun_config(cfg), compskip=False)),
-                         cfg.max_seq_len)
+        return OverBatch(COMPSKIP_OFF_MODELS[kind](dataclasses.replace(base, compskip=False)), cfg.max_seq_len)
     if kind == "gem_wide_off":
-        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_heads=False)), cfg.max_seq_len)
+        return OverBatch(KunlunModel(dataclasses.replace(base, wide_heads=False)), cfg.max_seq_len)
     if kind == "gem_wide_dots":
-        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), wide_dots=True)), cfg.max_seq_len)
+        return OverBatch(KunlunModel(dataclasses.replace(base, wide_dots=True)), cfg.max_seq_len)
     if kind in ("gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"):
         # GEM first: its initial weights are those of kind "gem" (of "gem_no_match" without the flags)
-        gem = KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=not kind.endswith("_no_match")))
-        dlrm = DLRMModel(DLRMConfig(base=kunlun_config(cfg)))
+        gem = KunlunModel(dataclasses.replace(base, match_flags=not kind.endswith("_no_match")))
+        dlrm = DLRMModel(DLRMConfig(base=base))
         return OverBatch(LogitSum(gem, dlrm, shared_embeddings=kind.endswith("_shared")), cfg.max_seq_len)
     if kind == "gem_plus_decayed_dlrm_no_match":  # KunlunConfig.affinity_branch: LogitSum's weights, in one model
-        return OverBatch(KunlunModel(dataclasses.replace(kunlun_config(cfg), match_flags=False, affinity_branch=True)),
+        return OverBatch(KunlunModel(dataclasses.replace(base, match_flags=False, affinity_branch=True)),
                          cfg.max_seq_len)
     if kind == "dlrm":
-        return OverBatch(DLRMModel(DLRMConfig(base=kunlun_config(cfg))), cfg.max_seq_len)
+        return OverBatch(DLRMModel(DLRMConfig(base=base)), cfg.max_seq_len)
     if kind == "padded":
-        return OverBatch(PaddedKunlunModel(kunlun_config(cfg)), cfg.max_seq_len)
+        return OverBatch(PaddedKunlunModel(base), cfg.max_seq_len)
     raise ValueError(f"unknown model kind {kind!r}")
 
 
