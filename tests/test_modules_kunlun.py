@@ -16,6 +16,8 @@ from gem.baselines import DLRMConfig, DLRMModel, PaddedKunlunModel
 from gem.data import build_splits, make_batch
 from gem.modules import PRESETS, KunlunModel, from_v1_batch, set_kernel
 from gem.modules.attention import BlockAttentionLayer
+from gem.modules.dot_interaction import DotInteraction
+from gem.modules.heads import multitask_loss
 from gem.ops import Kernel
 
 CFG = PRESETS["tiny"]
@@ -233,11 +235,11 @@ def test_dlrm_baseline_trains_a_step(batch):
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("embeddings.tables"))
 
 
-def test_dlrm_history_decay_weights_each_event_by_its_age(batch):
-    """history_decay: each event's embedding is weighted by exp(-age · rate) before pooling, the
-    rate learnt per event type; off (the default) it is the plain sum and has no rate."""
-    plain = _model(cls=lambda c: DLRMModel(DLRMConfig(base=c)))
-    decayed = _model(cls=lambda c: DLRMModel(DLRMConfig(base=c, history_decay=True)))
+def test_dot_interaction_history_decay_weights_each_event_by_its_age(batch):
+    """history_decay (the affinity branch's): each event's embedding is weighted by exp(-age · rate)
+    before pooling, the rate learnt per event type; off (DLRM's) it is the plain sum and has no rate."""
+    plain = _model(cls=DotInteraction)
+    decayed = _model(cls=lambda c: DotInteraction(c, history_decay=True))
     assert plain.log_decay is None and not any("log_decay" in k for k in plain.state_dict())
     decayed.load_state_dict(plain.state_dict(), strict=False)  # the same tables
     d = CFG.dim
@@ -256,7 +258,7 @@ def test_dlrm_history_decay_weights_each_event_by_its_age(batch):
     torch.testing.assert_close(decayed.pooled_history(batch), plain.pooled_history(batch))
     with torch.no_grad():
         decayed.log_decay.fill_(-11.0)
-    decayed.loss(batch)[0].backward()
+    multitask_loss(decayed(batch), batch.labels, decayed.tasks, batch.weight)[0].backward()
     assert decayed.log_decay.grad is not None and bool(decayed.log_decay.grad.abs().gt(0).any())
 
 
@@ -268,7 +270,7 @@ def test_affinity_branch_adds_a_decayed_dlrm_built_after_the_trunk(batch):
     cfg = dataclasses.replace(CFG, match_flags=False)
     model = _model(dataclasses.replace(cfg, affinity_branch=True))
     torch.manual_seed(0)
-    trunk, dlrm = KunlunModel(cfg), DLRMModel(DLRMConfig(base=cfg, history_decay=True))
+    trunk, dlrm = KunlunModel(cfg), DotInteraction(cfg, history_decay=True)
     assert _model(cfg).affinity is None and not any(k.startswith("affinity.") for k in trunk.state_dict())
     state = model.state_dict()
     want = {**trunk.state_dict(), **{f"affinity.{k}": v for k, v in dlrm.state_dict().items()}}

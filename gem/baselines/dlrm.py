@@ -24,16 +24,11 @@ class DLRMConfig:
     """Features, tasks and the embedding width are taken from this config."""
     bottom_hidden: int = 64
     top_hidden: int = 128
-    history_decay: bool = False
-    """Weight each history event by exp(-age · r) before pooling, one learnt rate r per event type
-    (starting at one per day), so that the history's dot products with the candidate carry
-    recency (as KunlunConfig.affinity_branch's branch does). Off: the classic sum."""
 
 
 class DLRMModel(DotInteraction):
     def __init__(self, cfg: DLRMConfig):
-        super().__init__(cfg.base, bottom_hidden=cfg.bottom_hidden, top_hidden=cfg.top_hidden,
-                         history_decay=cfg.history_decay)
+        super().__init__(cfg.base, bottom_hidden=cfg.bottom_hidden, top_hidden=cfg.top_hidden)
         self.cfg = cfg
 
     def loss(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
