@@ -180,6 +180,14 @@ COMPSKIP_OFF_MODELS = {"gem_compskip_off": KunlunModel, "gem_compskip_off_first_
                        "gem_compskip_off_early_recent": EarlyRecentModel}
 
 
+# benchmarks.diagnose's variants, recorded before the affinity branch became the default (stop 34):
+# each changes that design, so its command still reproduces its JSON. gem_compskip_off is not among
+# them: it is also the main study's CompSkip off, which follows the default.
+PRE_BRANCH_DESIGN = dict(match_flags=True, affinity_branch=False)
+PRE_BRANCH_VARIANTS = ("gem_no_match", "gem_wide_dots", "gem_plus_dlrm", "gem_plus_dlrm_shared",
+                       "gem_plus_dlrm_no_match", "gem_compskip_off_first_summary", "gem_compskip_off_early_recent")
+
+
 def model_spec(preset: str, max_seq_len: int, embedding_dim: int | None = None) -> ModelSpec:
     return ModelSpec(preset=preset, max_seq_len=max_seq_len, embedding_dim=embedding_dim)
 
@@ -198,6 +206,8 @@ def build(kind: str, spec: ModelSpec, *, seed: int = TRAIN_SEED, gem_config: dic
         base = dataclasses.replace(base, **gem_config)
     if kind == "gem":
         return OverBatch(KunlunModel(base), cfg.max_seq_len) if gem_config else GEMModel(cfg)
+    if kind in PRE_BRANCH_VARIANTS:  # recorded as changes to the design before the affinity branch
+        base = dataclasses.replace(base, **PRE_BRANCH_DESIGN)
     if kind == "gem_no_match":
         return OverBatch(KunlunModel(dataclasses.replace(base, match_flags=False)), cfg.max_seq_len)
     if kind in COMPSKIP_OFF_MODELS:

@@ -140,6 +140,21 @@ def test_the_decayed_variant_is_gem_without_flags_with_the_affinity_branch():
     alone = quality.build("gem_no_match", mspec, seed=3).inner.state_dict()
     trunk = {k: v for k, v in model.state_dict().items() if not k.startswith("affinity.")}
     assert trunk.keys() == alone.keys() and all(torch.equal(v, alone[k]) for k, v in trunk.items())
+    # since stop 34 it is the default GEM, weight for weight
+    default = quality.build("gem", mspec, seed=3).state_dict()
+    assert default.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, default[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("variant", quality.PRE_BRANCH_VARIANTS)
+def test_the_recorded_variants_keep_the_design_they_were_recorded_on(variant):
+    """The variants recorded before the affinity branch became the default change that design (match
+    flags, no branch), so their commands still reproduce their JSON; only their own change differs."""
+    mspec = quality.model_spec(quality.MODES["smoke"]["preset"], quality.MODES["smoke"]["max_seq_len"])
+    model = quality.build(variant, mspec, seed=3).inner
+    gem = getattr(model, "gem", model)  # LogitSum's GEM part
+    assert gem.cfg.affinity_branch is False and gem.affinity is None
+    assert gem.cfg.match_flags == (not variant.endswith("no_match"))
 
 
 @pytest.mark.parametrize("kind", ["gem_plus_dlrm", "gem_plus_dlrm_shared", "gem_plus_dlrm_no_match"])
@@ -155,8 +170,8 @@ def test_gem_plus_dlrm_adds_the_two_models_logits(kind):
     if kind.endswith("_no_match"):  # GEM's part is kind "gem_no_match": no exact-match embedding
         alone = quality.build("gem_no_match", mspec, seed=3).inner.state_dict()
         assert not any("match_emb" in k for k in alone)
-    else:
-        alone = quality.build("gem", mspec, seed=3).state_dict()
+    else:  # the design the variants were recorded on: flags, no affinity branch
+        alone = quality.build("gem", mspec, seed=3, gem_config=quality.PRE_BRANCH_DESIGN).inner.state_dict()
     assert all(torch.equal(v, alone[k]) for k, v in gem.state_dict().items()) and len(alone) == len(gem.state_dict())
     shared = kind.endswith("_shared")
     assert (dlrm.embeddings is gem.embeddings) == shared

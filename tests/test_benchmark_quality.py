@@ -121,13 +121,14 @@ def test_a_candidate_design_replaces_gem_padded_and_compskip_off_but_not_dlrm(ca
 
     mode = quality.MODES["smoke"]
     mspec = quality.model_spec(mode["preset"], mode["max_seq_len"])
-    cand = {"match_flags": False, "affinity_branch": True}
+    cand = {"match_flags": True, "affinity_branch": False}  # the design before the branch
     for kind in ("gem", "padded", "gem_compskip_off"):
         inner = quality.build(kind, mspec, gem_config=cand).inner
-        assert inner.cfg.affinity_branch and not inner.cfg.match_flags and inner.affinity is not None
+        assert not inner.cfg.affinity_branch and inner.cfg.match_flags and inner.affinity is None
         assert isinstance(inner, PaddedKunlunModel) == (kind == "padded")
         assert inner.cfg.compskip == (kind != "gem_compskip_off")
-    assert quality.build("gem", mspec).cfg.affinity_branch is False  # without it: the default GEM
+    default = quality.build("gem", mspec)  # without it: the default GEM, with the branch
+    assert default.cfg.affinity_branch and not default.cfg.match_flags and default.affinity is not None
     assert type(quality.build("dlrm", mspec, gem_config=cand).inner) is DLRMModel
 
     kinds = tuple(k for k in quality.MAIN_KINDS if k != "gem_compskip_off")
@@ -135,7 +136,7 @@ def test_a_candidate_design_replaces_gem_padded_and_compskip_off_but_not_dlrm(ca
     assert {j["kind"] for j in jobs.values()} == {"gem", "dlrm", "padded"}
     assert len(jobs) == len(kinds) * len(mode["seeds"])
     inner = quality.build("gem", quality.model_spec("tiny", 32, embedding_dim=16), gem_config=cand).inner
-    assert inner.cfg.dim == 16 and inner.cfg.affinity_branch  # a scaling run's width, the candidate's fields
+    assert inner.cfg.dim == 16 and not inner.cfg.affinity_branch  # a scaling run's width, the candidate's fields
 
     # rejected before any training
     for bad, needle in (("nosuch=1", "got 'nosuch'"), ("affinity_branch=yes", "'yes' is not JSON")):

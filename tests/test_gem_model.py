@@ -84,6 +84,24 @@ def test_presets_and_overrides():
     assert sizes[0] < sizes[1]
 
 
+def test_spec_affinity_branch_switches_the_branch_and_the_trunks_match_flags():
+    """spec.model.affinityBranch (default true): the DLRM branch beside the trunk; false builds the
+    trunk alone with exact-match flags on its events, the best design measured without the branch."""
+    from gem.model import kunlun_config
+
+    for preset in ("tiny", "small", "base", "large"):
+        on = kunlun_config(config_from_spec(ModelSpec(preset=preset)))
+        off = kunlun_config(config_from_spec(ModelSpec(preset=preset, affinity_branch=False)))
+        assert (on.affinity_branch, on.match_flags) == (True, False), preset
+        assert (off.affinity_branch, off.match_flags) == (False, True), preset
+    with_branch, alone = (build_model(ModelSpec(affinity_branch=b)) for b in (True, False))
+    assert alone.affinity is None and with_branch.affinity is not None
+    assert all(e.match_emb is not None for e in alone.encoders.values())
+    assert all(e.match_emb is None for e in with_branch.encoders.values())
+    with pytest.raises(ValueError, match="affinityBranch"):
+        ModelSpec.model_validate({"affinityBranch": "maybe"})
+
+
 # --------------------------------------------------------------------------- degenerate batches
 # What real ads traffic produces: no history, one event type missing, histories past max_seq_len,
 # lengths at block multiples +- 1 (tiny: block 16, max_seq_len 64), tied / unsorted / future

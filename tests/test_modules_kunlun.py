@@ -267,8 +267,9 @@ def test_affinity_branch_adds_a_decayed_dlrm_built_after_the_trunk(batch):
     and tables of its own; built last, so the trunk's initial weights are those of the model
     without it, and the pair is exactly GEM and that DLRM trained as one (benchmarks.quality's
     LogitSum: the recorded diagnose variant gem_plus_decayed_dlrm_no_match)."""
-    cfg = dataclasses.replace(CFG, match_flags=False)
-    model = _model(dataclasses.replace(cfg, affinity_branch=True))
+    assert CFG.affinity_branch and not CFG.match_flags  # the default design
+    cfg = dataclasses.replace(CFG, affinity_branch=False)
+    model = _model()
     torch.manual_seed(0)
     trunk, dlrm = KunlunModel(cfg), DotInteraction(cfg, history_decay=True)
     assert _model(cfg).affinity is None and not any(k.startswith("affinity.") for k in trunk.state_dict())

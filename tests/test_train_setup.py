@@ -433,6 +433,35 @@ def test_setup_changes_name_what_deepspeeds_files_depend_on(tmp_path):
     assert checkpoint.setup_changes(ckpt0, wider, world_size=2) == ["spec.model.numLayers is 3, was unset"]
 
 
+def test_a_checkpoint_from_before_the_affinity_branch_loads_as_the_model_it_holds(tmp_path):
+    """Manifests written before spec.model.affinityBranch (2026-12-07) lack it, and their models have
+    no branch: load_model (gem eval, a LoopFM teacher) builds that model, and a resume under the new
+    default names the field instead of DeepSpeed's list of missing keys."""
+    import torch
+
+    from gem.model import build_model
+
+    old = _spec(parallelism={"zeroStage": 0}, model={"preset": "tiny", "affinityBranch": False}).to_wire()
+    del old["model"]["affinityBranch"]
+    ckpt = _saved_checkpoint(tmp_path, old, ranks=1)
+    torch.manual_seed(0)
+    weights = build_model(_spec(model={"preset": "tiny", "affinityBranch": False}).model).state_dict()
+    torch.save(weights, ckpt / checkpoint.MODEL_FILE)
+    model, manifest = checkpoint.load_model(ckpt)
+    assert model.affinity is None and manifest.spec.model.affinity_branch is False
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    # the field is read from the weights only where gem.yaml lacks it
+    torch.save(build_model(_spec(model={"preset": "tiny"}).model).state_dict(), ckpt / checkpoint.MODEL_FILE)
+    assert checkpoint.load_model(ckpt)[0].affinity is not None
+    torch.save(weights, ckpt / checkpoint.MODEL_FILE)
+
+    now = _spec(parallelism={"zeroStage": 0}, model={"preset": "tiny"})  # the default: with the branch
+    assert now.model.affinity_branch is True and build_model(now.model).affinity is not None
+    assert checkpoint.setup_changes(ckpt, now, world_size=1) == ["spec.model.affinityBranch is True, was False"]
+    off = _spec(parallelism={"zeroStage": 0}, model={"preset": "tiny", "affinityBranch": False})
+    assert checkpoint.setup_changes(ckpt, off, world_size=1) == []
+
+
 def test_setup_changes_read_the_plan_where_the_planner_does(tmp_path):
     """The deprecated training.deepspeed.parallelPlan is the plan when spec.parallelism.plan is absent:
     moving it there (as its deprecation note says) was reported as a plan change, the cause of a

@@ -78,6 +78,12 @@ class ModelSpec(ApiModel):
     max_seq_len: int | None = Field(
         None, ge=8, le=65536, description="Longest event history kept per example (most recent events)."
     )
+    affinity_branch: bool = Field(
+        True,
+        description="A DLRM dot-interaction branch beside the Kunlun trunk (its own tables, age-decayed "
+        "history pools), logits added: how the model learns the user x ad affinity. false: the trunk "
+        "alone, with exact-match flags on the events instead (the design before 2026-12-07).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSpec":

@@ -1,6 +1,6 @@
 """Model sizes: a table of presets plus the overrides a ModelSpec may carry.
 
-`GEMConfig` is what the trainer and the API see (the four ModelSpec fields plus table sizes);
+`GEMConfig` is what the trainer and the API see (the ModelSpec fields plus table sizes);
 `kunlun_config(cfg)` expands it into the full Kunlun architecture config
 (gem.modules.config.PRESETS holds the rest of each preset: tiers, summaries, experts, heads).
 """
@@ -32,6 +32,9 @@ class GEMConfig:
     """Hash buckets of the campaign table."""
     num_time_buckets: int = 32
     """Log-spaced buckets of an event's age (see gem.modules.oneseq.time_bucket)."""
+    affinity_branch: bool = True
+    """KunlunConfig.affinity_branch; without it the trunk gets KunlunConfig.match_flags, the best
+    design measured without the branch (docs/quality.md)."""
     tasks: tuple[str, ...] = ("click", "conversion", "dwell")
     """Funnel tasks with a head, trained (losses masked where a label is unknown) and evaluated
     (gem/eval): consideration (click), conversion (post-click) and awareness (dwell)."""
@@ -58,7 +61,7 @@ def config_from_spec(spec: ModelSpec) -> GEMConfig:
         for name in ("embedding_dim", "num_heads", "num_layers", "max_seq_len")
         if getattr(spec, name) is not None
     }
-    cfg = replace(cfg, **overrides)
+    cfg = replace(cfg, **overrides, affinity_branch=spec.affinity_branch)
     if cfg.embedding_dim % cfg.num_heads:
         raise ValueError(
             f"model.embeddingDim ({cfg.embedding_dim}) must be divisible by model.numHeads ({cfg.num_heads}) "
@@ -87,4 +90,5 @@ def kunlun_config(cfg: GEMConfig):
                   for t in base.tiers)
     features = v1_features(cfg.user_buckets, cfg.item_buckets, cfg.campaign_buckets)
     return replace(base, features=features, tiers=tiers, dim=cfg.embedding_dim, num_layers=cfg.num_layers,
-                   num_time_buckets=cfg.num_time_buckets, tasks=tuple(by_name[t] for t in cfg.tasks))
+                   num_time_buckets=cfg.num_time_buckets, tasks=tuple(by_name[t] for t in cfg.tasks),
+                   affinity_branch=cfg.affinity_branch, match_flags=not cfg.affinity_branch)

@@ -150,10 +150,11 @@ class KunlunConfig:
     fm_hidden: int = 128
     target_aware_events: bool = True
     """Add Proj(e_event ⊙ e_candidate) to every event token (shared tables make matches visible)."""
-    match_flags: bool = True
+    match_flags: bool = False
     """With target_aware_events: also add E_match, an embedding of which candidate ids (ad,
-    campaign) the event shares. Without it GEM `small` barely learns the history term; with it,
-    beside a DLRM branch, that branch stops learning the user x ad affinity (docs/quality.md)."""
+    campaign) the event shares. Off by default since the affinity branch learns that affinity
+    better: beside a DLRM branch the flags stop the branch learning it (docs/quality.md). Without
+    either, GEM `small` barely learns the history term."""
     rotary_scale: float = 16.0
     """Rotary phase = rotary_scale · log1p(age / 60 s)."""
     num_time_buckets: int = 32
@@ -173,7 +174,7 @@ class KunlunConfig:
     """The wide heads also read the pairwise dot products of the raw tokens [X⁰ ‖ each event type's
     sum-pooled history] (the FM part of DeepFM, DLRM's interaction): a user x ad affinity is a dot
     product, which an MLP over concatenated embeddings learns slowly (docs/quality.md). Needs wide_heads."""
-    affinity_branch: bool = False
+    affinity_branch: bool = True
     """A DLRM dot-interaction branch beside the trunk (gem.modules.dot_interaction: its own tables,
     each event type's history pooled with a learnt age decay, pairwise dot products, MLPs), its
     logits added to the heads'. DLRM learns the user x ad affinity through such dot products;

@@ -542,7 +542,7 @@ def _or_unset(value: Any) -> Any:
 #: The spec fields a job's weights' shapes depend on, by section: GEMTraining's spec.model, a
 #: distillation's spec.student and its method (and LoopFM's memoryK). Not maxSeqLen: no weight
 #: depends on it (the GEM model's attention and the student's pooling read any history length).
-SHAPE_FIELDS = {"model": ("preset", "embeddingDim", "numHeads", "numLayers"),
+SHAPE_FIELDS = {"model": ("preset", "embeddingDim", "numHeads", "numLayers", "affinityBranch"),
                 "student": ("embeddingDim", "hiddenDim"),
                 "distillation": ("method", "memoryK")}
 
@@ -559,6 +559,8 @@ def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             continue
         for name in names:
             was, cur = was_s.get(name), now_s.get(name)
+            if name == "affinityBranch" and was is None:
+                was = False  # the manifest predates the field (2026-12-07): its model had no branch
             if section != "model" and was is None:
                 continue  # a field with a default, written into every manifest: absent, the manifest predates it
             if name == "memoryK" and "loopfm" not in (was_s.get("method"), now_s.get("method")):
@@ -649,7 +651,12 @@ def load_model(ckpt: str | os.PathLike, *, map_location: str | torch.device = "c
     ckpt = Path(ckpt)
     if not (ckpt / MODEL_FILE).is_file():
         raise FileNotFoundError(f"{ckpt} is not a GEM checkpoint: it has no {MODEL_FILE}")
-    manifest = parse_object(read_manifest(ckpt))
+    saved = read_manifest(ckpt)
+    weights = None
+    if isinstance(saved, dict) and saved.get("kind") == "GEMTraining":
+        weights = torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True)
+        _default_affinity_branch(saved, weights)
+    manifest = parse_object(saved)
     if manifest.kind == "GEMTraining":
         from gem.model import build_model
 
@@ -662,5 +669,17 @@ def load_model(ckpt: str | os.PathLike, *, map_location: str | torch.device = "c
         from gem.distill.student import build_student
 
         model = build_student(manifest.spec.student)
-    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True))
+    if weights is None:
+        weights = torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True)
+    model.load_state_dict(weights)
     return model.eval(), manifest
+
+
+def _default_affinity_branch(saved: dict[str, Any], weights: Any) -> None:
+    """A gem.yaml written before spec.model.affinityBranch (2026-12-07) lacks it, and the field's
+    default (true) would build a model its weights do not fit: the weights say whether the model
+    has the branch (models trained before then do not)."""
+    spec = saved.get("spec")
+    if isinstance(spec, dict) and isinstance(spec.get("model", {}), dict) and isinstance(weights, dict):
+        has_branch = any(str(k).startswith("affinity.") for k in weights)
+        spec.setdefault("model", {}).setdefault("affinityBranch", has_branch)
