@@ -27,7 +27,7 @@ from gem.train.dist import init_distributed, shutdown
 from gem.train.task import GEMTask
 from gem.train.trainer import Trainer
 
-STEPS, BATCH, EVERY = 300, 64, 120
+STEPS, BATCH, EVERY = 600, 64, 240
 
 
 def _manifest(tmp_path, name: str) -> dict:
