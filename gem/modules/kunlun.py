@@ -212,9 +212,11 @@ class KunlunModel(JaggedModule):
             # In its weights' precision: float32 weights stay float32 under autocast (at 0.2% of the
             # FLOPs it costs nothing, and autocast's bf16 put its gradients 10-30% off float32's at
             # init: its top-MLP ReLUs sit near 0 and flip); bf16 weights (DeepSpeed's bf16 mode) keep
-            # autocast, which makes the float32 dense features meet them in bf16
-            fp32 = self.affinity.top[-1].weight.dtype == torch.float32
-            with torch.autocast(inputs.dense.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            # autocast, which makes the float32 dense features meet them in bf16. (No autocast on
+            # the meta device, where the model is sized without memory.)
+            device = inputs.dense.device.type
+            fp32 = self.affinity.top[-1].weight.dtype == torch.float32 and torch.amp.is_autocast_available(device)
+            with torch.autocast(device, enabled=False) if fp32 else contextlib.nullcontext():
                 extra.append(self.affinity(inputs))
         return {task: sum((e[task] for e in extra), logits[task]) for task in logits}
 
