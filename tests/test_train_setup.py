@@ -453,7 +453,6 @@ def test_a_checkpoint_from_before_the_affinity_branch_loads_as_the_model_it_hold
     # the field is read from the weights only where gem.yaml lacks it
     torch.save(build_model(_spec(model={"preset": "tiny"}).model).state_dict(), ckpt / checkpoint.MODEL_FILE)
     assert checkpoint.load_model(ckpt)[0].affinity is not None
-    torch.save(weights, ckpt / checkpoint.MODEL_FILE)
 
     now = _spec(parallelism={"zeroStage": 0}, model={"preset": "tiny"})  # the default: with the branch
     assert now.model.affinity_branch is True and build_model(now.model).affinity is not None
