@@ -512,7 +512,8 @@ def test_one_rule_names_the_fields_that_change_the_weights_shape(tmp_path):
 
 def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path, monkeypatch):
     """Every file and directory of a checkpoint is fsynced before it is renamed; the job dir after the
-    rename; COMPLETE last; older checkpoints are deleted only then."""
+    rename; COMPLETE last; older checkpoints are deleted only then, each one's COMPLETE removal
+    fsynced before its files go; the job dir, made by the first save, is fsynced into its parent."""
     import torch
 
     events: list[tuple[str, str]] = []
@@ -527,11 +528,13 @@ def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path
         def save_checkpoint(self, save_dir, tag, save_latest):
             (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"ds")
 
-    job = tmp_path / "job"
+    job = tmp_path / "runs" / "job"
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
     for step in (1, 2):
         events.clear()
         final = checkpoint.save(Engine(), env, job, step=step, manifest={}, state={"step": step}, keep_last=1)
+        if step == 1:  # both new directories' entries, before anything is written inside them
+            assert events[:2] == [("fsync", str(tmp_path)), ("fsync", str(tmp_path / "runs"))]
     tmp = str(job / ".tmp-step-00000002")
     synced_before_rename = {p for kind, p in events[: events.index(("rename", str(final)))] if kind == "fsync"}
     files = {str(p).replace(str(final), tmp) for p in final.rglob("*") if p.name != checkpoint.COMPLETE}
@@ -539,7 +542,7 @@ def test_save_makes_everything_durable_before_complete_and_prunes_after(tmp_path
     assert tmp in synced_before_rename
     after = events[events.index(("rename", str(final))) + 1:]
     assert after == [("fsync", str(job)), ("fsync", str(final / checkpoint.COMPLETE)), ("fsync", str(final)),
-                     ("prune", "")]
+                     ("prune", ""), ("fsync", str(job / "step-00000001"))]  # its COMPLETE gone, durably
     assert [p.name for p in checkpoint.complete_checkpoints(job)] == ["step-00000002"]
 
 

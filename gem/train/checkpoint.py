@@ -19,7 +19,8 @@ Before the run sets up, every node's local rank 0 creates the job dir and writes
 
 Saving: all ranks write into the temp dir -> barrier -> rank 0 fsyncs every file and directory in
 it, renames it to step-XXXXXXXX, fsyncs the job dir, writes COMPLETE (fsynced, with its directory)
--> prunes to keepLast. The rename is atomic on one filesystem, and a crash at any point leaves
+-> prunes to keepLast (each old checkpoint's COMPLETE removed and fsynced before its files). The job
+dir itself, and each directory above it that the run creates, is fsynced into its parent when made. The rename is atomic on one filesystem, and a crash at any point leaves
 either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`; a
 checkpoint marked COMPLETE is on disk before any older one is deleted.
 A rank that fails to write its part (disk full on one node, a permission error) must not leave the
@@ -96,7 +97,7 @@ def check_writable(env: DistEnv, job: Path, spec_path: str) -> None:
     if env.local_rank == 0:
         probe = job / f".write-probe-rank-{env.rank:05d}"
         try:
-            job.mkdir(parents=True, exist_ok=True)
+            _mkdir_durable(job)
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
@@ -230,6 +231,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _mkdir_durable(path: Path) -> None:
+    """mkdir -p whose new entries survive a power loss: each directory it creates is fsynced into
+    its parent (a rename and COMPLETE fsynced inside a job dir whose own entry was lost are lost too)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for new in reversed(missing):  # outermost first
+        new.mkdir(exist_ok=True)
+        _fsync_dir(new.parent)
+
+
 def _fsync_tree(root: Path) -> None:
     """fsync every file under root (whoever wrote it: DeepSpeed, torch.save), then every directory, deepest first."""
     dirs = []
@@ -328,7 +341,7 @@ def _deepspeed_save(engine: Any, job: Path, tmp: Path, failure: _RankFailure) ->
 
 
 def _prepare_tmp(job: Path, tmp: Path) -> None:
-    job.mkdir(parents=True, exist_ok=True)
+    _mkdir_durable(job)
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
     tmp.mkdir()
 
@@ -455,10 +468,13 @@ def _remove(ckpt: Path) -> None:
     """Delete a checkpoint directory, its COMPLETE marker first: rmtree removes files in directory
     order, and a kill -9 part-way through must leave a directory that is not a checkpoint, not one
     marked complete with files missing (without rng/ it resumes with fresh RNG; without gem.yaml every
-    restart fails). Never raises: prune runs where the other ranks wait in a collective."""
+    restart fails). The marker's removal is fsynced before any other file goes, so that holds after a
+    power loss too. Never raises: prune runs where the other ranks wait in a collective."""
     try:
         (ckpt / COMPLETE).unlink(missing_ok=True)
-    except OSError as e:  # rmtree below fails the same way; the directory stays a checkpoint
+        if ckpt.is_dir():
+            _fsync_dir(ckpt)
+    except OSError as e:  # rmtree below fails the same way; the directory stays as it is
         log.warning("could not remove %s: %s", ckpt, e)
         return
     shutil.rmtree(ckpt, ignore_errors=True)
