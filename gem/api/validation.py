@@ -26,10 +26,10 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 #: Paths the operator mounts itself, and what they hold; the checkpoint volume and spec.volumes may not take them.
-_RESERVED_MOUNTS = {CONFIG_MOUNT_PATH: "the config", "/dev/shm": "shared memory"}
+RESERVED_MOUNTS = {CONFIG_MOUNT_PATH: "the config", "/dev/shm": "shared memory"}
 
 
-def _subdomain(value: str) -> str | None:
+def subdomain_problem(value: str) -> str | None:
     if len(value) > 253 or not _DNS_SUBDOMAIN.match(value):
         return (
             f"{value!r} is not a valid object name: lowercase letters, digits, '-' and '.', "
@@ -38,7 +38,7 @@ def _subdomain(value: str) -> str | None:
     return None
 
 
-def _label_value(value: str) -> str | None:
+def label_value_problem(value: str) -> str | None:
     if len(value) > 63 or not _LABEL_VALUE.match(value):
         return (
             f"{value!r} is not a valid label value: at most 63 letters, digits, '-', '_' and '.', "
@@ -47,9 +47,9 @@ def _label_value(value: str) -> str | None:
     return None
 
 
-def _label_key(key: str) -> str | None:
+def label_key_problem(key: str) -> str | None:
     prefix, slash, name = key.rpartition("/")
-    if (slash and _subdomain(prefix)) or len(name) > 63 or not _LABEL_NAME.match(name):
+    if (slash and subdomain_problem(prefix)) or len(name) > 63 or not _LABEL_NAME.match(name):
         return (
             f"{key!r} is not a valid label key: an optional DNS prefix and '/', then at most 63 "
             "letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
@@ -315,7 +315,7 @@ def _env_problems(spec: Any) -> list[tuple[str, str | None]]:
     return checks
 
 
-def _overlaps(a: str, b: str) -> bool:
+def paths_overlap(a: str, b: str) -> bool:
     """Whether one of two absolute paths is the other or lies below it."""
     a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
     return a == b or a.startswith(b + "/") or b.startswith(a + "/") or "/" in (a, b)
@@ -323,20 +323,20 @@ def _overlaps(a: str, b: str) -> bool:
 
 def _volume_problems(spec: Any) -> list[tuple[str, str | None]]:
     """spec.volumes: claim names, and mount paths the pod can carry beside the operator's own mounts."""
-    taken = {what: path for path, what in _RESERVED_MOUNTS.items()}
+    taken = {what: path for path, what in RESERVED_MOUNTS.items()}
     taken["the checkpoint volume (spec.checkpoint.path)"] = spec.checkpoint.path
     if getattr(spec, "teacher", None) is not None:
         taken["a teacher mounted away from its own path"] = TEACHER_MOUNT_PATH
     checks: list[tuple[str, str | None]] = []
     for i, vol in enumerate(spec.volumes):
         where = f"spec.volumes[{i}]"
-        checks.append((f"{where}.claimName", _subdomain(vol.claim_name)))
+        checks.append((f"{where}.claimName", subdomain_problem(vol.claim_name)))
         path = vol.mount_path
         if not path.startswith("/") or ":" in path or not path.rstrip("/"):
             checks.append((f"{where}.mountPath", f"{path!r} must be an absolute path without ':', other than '/', "
                                                  "e.g. /data"))
         else:
-            clash = next((what for what, other in taken.items() if _overlaps(path, other)), None)
+            clash = next((what for what, other in taken.items() if paths_overlap(path, other)), None)
             if clash:
                 checks.append((f"{where}.mountPath", f"{path!r} overlaps {clash} ({taken[clash]}); pick another "
                                                      "directory, e.g. /data"))
@@ -360,45 +360,45 @@ def runnable_field_problems(obj: Any) -> list[tuple[str, str]]:
     if spec.image is not None and (not spec.image.strip() or any(c.isspace() for c in spec.image)):
         checks.append(("spec.image", f"{spec.image!r} is not an image reference: no whitespace allowed"))
     if spec.scheduling.queue_name:
-        checks.append(("spec.scheduling.queueName", _label_value(spec.scheduling.queue_name)))
+        checks.append(("spec.scheduling.queueName", label_value_problem(spec.scheduling.queue_name)))
     if spec.scheduling.priority_class_name:
         name = spec.scheduling.priority_class_name
-        checks.append(("spec.scheduling.priorityClassName", _subdomain(name) or _label_value(name)))
+        checks.append(("spec.scheduling.priorityClassName", subdomain_problem(name) or label_value_problem(name)))
     checks.append(("spec.parallelism.procsPerNode", _procs_fit_gpus(spec)))
     for i, level in enumerate(spec.parallelism.topology.levels):
         # node-label keys: they become pod-affinity topology keys and Kueue annotations
-        checks.append((f"spec.parallelism.topology.levels[{i}]", _label_key(level)))
+        checks.append((f"spec.parallelism.topology.levels[{i}]", label_key_problem(level)))
     if len(set(spec.parallelism.topology.levels)) != len(spec.parallelism.topology.levels):
         checks.append(("spec.parallelism.topology.levels", "each label key may appear once"))
     for key, value in spec.resources.node_selector.items():
-        checks.append((f"spec.resources.nodeSelector[{key!r}]", _label_key(key) or _label_value(value)))
+        checks.append((f"spec.resources.nodeSelector[{key!r}]", label_key_problem(key) or label_value_problem(value)))
     for i, tol in enumerate(spec.resources.tolerations):
         where = f"spec.resources.tolerations[{i}]"
         if tol.key:
-            checks.append((f"{where}.key", _label_key(tol.key)))
+            checks.append((f"{where}.key", label_key_problem(tol.key)))
         if tol.operator == "Exists" and tol.value:
             checks.append((f"{where}.value", "must be empty when operator is Exists"))
         if not tol.key and tol.operator != "Exists":
             checks.append((f"{where}.operator", "must be Exists when key is empty (tolerate every taint)"))
         if tol.value:
-            checks.append((f"{where}.value", _label_value(tol.value)))
+            checks.append((f"{where}.value", label_value_problem(tol.value)))
     path = spec.checkpoint.path.rstrip("/")
     if not spec.checkpoint.path.startswith("/") or ":" in path:
         checks.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} must be an absolute path without ':'"))
     elif not path:
         checks.append(("spec.checkpoint.path", "'/' cannot be a volume: pick a directory such as /var/lib/gem/checkpoints"))
-    elif any(_overlaps(path, m) for m in _RESERVED_MOUNTS):
+    elif any(paths_overlap(path, m) for m in RESERVED_MOUNTS):
         checks.append(("spec.checkpoint.path", f"{spec.checkpoint.path!r} overlaps a path the operator mounts itself "
-                                               f"({', '.join(_RESERVED_MOUNTS)}); pick another directory"))
+                                               f"({', '.join(RESERVED_MOUNTS)}); pick another directory"))
     if spec.checkpoint.claim_name:
-        checks.append(("spec.checkpoint.claimName", _subdomain(spec.checkpoint.claim_name)))
+        checks.append(("spec.checkpoint.claimName", subdomain_problem(spec.checkpoint.claim_name)))
     checks.extend(_volume_problems(spec))
     checks.extend(_env_problems(spec))
     if spec.mlflow.credentials_secret:
-        checks.append(("spec.mlflow.credentialsSecret", _subdomain(spec.mlflow.credentials_secret)))
+        checks.append(("spec.mlflow.credentialsSecret", subdomain_problem(spec.mlflow.credentials_secret)))
     teacher = getattr(spec, "teacher", None)
     if teacher is not None and teacher.gem_training:
-        checks.append(("spec.teacher.gemTraining", _subdomain(teacher.gem_training)))
+        checks.append(("spec.teacher.gemTraining", subdomain_problem(teacher.gem_training)))
     checks.extend(_deepspeed_problems(spec))
     return [(where, problem) for where, problem in checks if problem]
 

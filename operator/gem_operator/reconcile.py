@@ -18,9 +18,10 @@ import pydantic
 
 from gem.api import render, status as st
 from gem.api.types import KINDS, TEACHER_MOUNT_PATH, TERMINAL_PHASES, CheckpointSpec, Phase
+from gem.api.validation import RESERVED_MOUNTS, paths_overlap
 from gem_operator import kube, parallel
 from gem_operator.settings import CONFIG
-from gem_operator.validation import _RESERVED_MOUNTS, InvalidSpec, _overlaps, parse_resource
+from gem_operator.validation import InvalidSpec, parse_resource
 
 #: What the spec the job was rendered from means: see spec_digest.
 ANNOTATION_SPEC_DIGEST = "gem.dev/spec-digest"
@@ -189,8 +190,8 @@ def _teacher_mount(obj: Any, checkpoint: str, claim: str | None, path: str | Non
     spec = obj.spec
     if not claim or not path or (claim == spec.checkpoint.claim_name and path == spec.checkpoint.path):
         return render.TeacherMount(checkpoint=checkpoint, claim_name=claim, mount_path=path)
-    taken = (spec.checkpoint.path, *_RESERVED_MOUNTS, *(v.mount_path for v in spec.volumes))
-    if any(_overlaps(path, t) for t in taken) and _overlaps(checkpoint, path):
+    taken = (spec.checkpoint.path, *RESERVED_MOUNTS, *(v.mount_path for v in spec.volumes))
+    if any(paths_overlap(path, t) for t in taken) and paths_overlap(checkpoint, path):
         rest = checkpoint.rstrip("/")[len(path.rstrip("/")):].lstrip("/")
         checkpoint = f"{TEACHER_MOUNT_PATH}/{rest}" if rest else TEACHER_MOUNT_PATH
         path = TEACHER_MOUNT_PATH

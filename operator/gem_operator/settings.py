@@ -140,12 +140,12 @@ class OperatorConfig:
 
 def _secret_names(name: str) -> tuple[str, ...]:
     """A comma-separated list of Secret names (empty: none)."""
-    from gem.api.validation import _subdomain
+    from gem.api.validation import subdomain_problem
 
     raw = os.environ.get(name) or ""
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     for n in names:
-        problem = _subdomain(n)
+        problem = subdomain_problem(n)
         if problem:
             raise SettingsError(f"{name}={raw!r}: {problem}")
     return names

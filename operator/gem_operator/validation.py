@@ -9,20 +9,8 @@ import pydantic
 from gem.api.types import KINDS
 
 # The checks themselves live with the API types (torch- and kopf-free), so the SDK's local backend
-# refuses the same specs with the same words; re-exported here for the operator and its tests.
-from gem.api.validation import (  # noqa: F401
-    _DNS_SUBDOMAIN,
-    _LABEL_NAME,
-    _LABEL_VALUE,
-    _RESERVED_MOUNTS,
-    _label_key,
-    _label_value,
-    _overlaps,
-    _procs_fit_gpus,
-    _subdomain,
-    runnable_field_problems,
-    runnable_problems,
-)
+# refuses the same specs with the same words.
+from gem.api.validation import runnable_problems
 
 
 class InvalidSpec(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from gem.api.validation import _label_key, _label_value
+from gem.api.validation import label_key_problem, label_value_problem
 from gem_sdk._exceptions import ValidationError
 
 #: labels.Lexer: blanks are skipped; `=!(),><` runs are operators (the longest that is one: `!=`,
@@ -85,7 +85,7 @@ class _Parser:
             op, (tok, key) = "!", self.consume()
         if tok != _IDENT:
             raise _Error(f"found '{key}', expected: identifier")
-        problem = _label_key(key)
+        problem = label_key_problem(key)
         if problem:
             raise _Error(problem)
         if op is None and self.lookahead()[0] in (_END, ","):
@@ -97,7 +97,7 @@ class _Parser:
             raise _Error(f"found '{lit}', expected: '=', '!=', '==', 'in', 'notin', '>' or '<'")
         values = self.values() if tok in ("in", "notin") else self.exact_value()
         for value in values:
-            problem = _label_value(value)
+            problem = label_value_problem(value)
             if problem:
                 raise _Error(problem)
         if tok in (">", "<") and not (_INT64.fullmatch(values[0]) and -2**63 <= int(values[0]) < 2**63):
