@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,12 +45,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 API = "gem.dev/v1alpha1"
 TARGETS = {"time_to_last_job_s": 30.0, "reconcile_p99_s": 5.0}
 QUICK_RESOURCES = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -98,9 +91,10 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
 
 
 def one_round(n: int, workdir: Path) -> dict:
+    from gem.launcher import free_port
     from tests.kubeapi import KubeAPIServer
 
-    metrics_port, ready_port = _free_port(), _free_port()
+    metrics_port, ready_port = free_port(), free_port()
     with KubeAPIServer(executor=False, workdir=workdir) as server:
         env = {**os.environ, "GEM_METRICS_PORT": str(metrics_port), "GEM_MLFLOW_TRACKING_URI": "http://mlflow:5000"}
         log = open(workdir / "operator.log", "wb")

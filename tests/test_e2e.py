@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,22 +23,17 @@ import jsonschema
 import pytest
 import yaml
 
+from gem.launcher import free_port
 from tests.kubeapi.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on 127.0.0.1 with a sqlite backend and proxied artifacts."""
-    port = _free_port()
+    port = free_port()
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
     log = open(tmp_path / "mlflow.log", "wb")
     proc = subprocess.Popen(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import yaml
 
 from gem import cli
 from gem.api import parse_object
+from gem.launcher import free_port
 from gem.model import build_model
 from gem.train import checkpoint
 
@@ -141,12 +141,6 @@ def test_eval_reports_the_trainers_final_metrics_of_a_mixed_run(tmp_path, capsys
     assert evaluated["metrics"]["num_examples"] == 200 and evaluated["metrics"]["num_examples@logs"] == 150
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_eval_under_torchrun_shards_the_split_and_rank_0_reports(tmp_path, capsys):
     """2 processes: each evaluates its shard of every source; one report (rank 0's), equal to one process's."""
     spec = {"model": {"preset": "tiny"},
@@ -163,7 +157,7 @@ def test_eval_under_torchrun_shards_the_split_and_rank_0_reports(tmp_path, capsy
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["GEM_TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-torchrun")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), "-m", "gem", "eval", "--config", str(config),
+                           "--master-port", str(free_port()), "-m", "gem", "eval", "--config", str(config),
                            "--checkpoint", str(ckpt)], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [line for line in proc.stdout.splitlines() if line.startswith("{")]

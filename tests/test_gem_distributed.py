@@ -7,7 +7,6 @@ same weights: same data, same math.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from gem.launcher import free_port
 from gem.train import checkpoint
 
 TIMEOUT_S = 240
@@ -57,12 +57,6 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra):

@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from gem.api.crds import render_crd
+from gem.launcher import free_port
 from tests.kubeapi import KubeAPIServer
 from tests.kubeapi.testing import wait_for
 
@@ -361,18 +362,10 @@ def test_a_deleted_teacher_fails_the_waiting_distillation(cluster, operator, api
     assert condition(status, "TeacherReady")["reason"] == "TeacherDeleted"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_count_resources_by_phase_and_reconciles(cluster, api, tmp_path):
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     op = Operator(cluster.kubeconfig_path, tmp_path / "op.log")
     os.environ["GEM_METRICS_PORT"] = str(port)
     try:
@@ -520,7 +513,7 @@ def test_readiness_follows_the_api_and_logs_can_be_json(cluster, api, tmp_path):
     import urllib.error
     import urllib.request
 
-    ready_port, metrics_port = _free_port(), _free_port()
+    ready_port, metrics_port = free_port(), free_port()
     op = Operator(cluster.kubeconfig_path, tmp_path / "op.log")
     os.environ["GEM_METRICS_PORT"] = str(metrics_port)
     try:

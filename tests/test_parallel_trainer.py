@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,15 +16,10 @@ import pytest
 import yaml
 
 from gem.api.types import ParallelismSpec, TrainingSpec
+from gem.launcher import free_port
 from gem.parallel.plan import ParallelPlan
 
 NUM_EVAL = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_deepspeed_config_takes_the_plan_and_drops_its_key():

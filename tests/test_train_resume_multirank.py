@@ -14,7 +14,8 @@ import sys
 import pytest
 import yaml
 
-from tests.test_gem_distributed import base_env, free_port, kill_tree
+from gem.launcher import free_port
+from tests.test_gem_distributed import base_env, kill_tree
 
 HANG_S = 120  # a healthy resume of this tiny job takes ~20 s on 2 shared cores
 

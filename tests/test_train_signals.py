@@ -128,7 +128,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     import psutil
     from mlflow.tracking import MlflowClient
 
-    from tests.test_gem_distributed import free_port
+    from gem.launcher import free_port
     from tests.test_train_resume_multirank import manifest as multirank_manifest
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -14,10 +14,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from gem.launcher import free_port
 
 _CTX = None
 
@@ -28,12 +29,6 @@ def _context():
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.functional"])
     return _CTX
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict[str, str]) -> None:

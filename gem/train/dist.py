@@ -17,7 +17,6 @@ import copy
 import datetime as dt
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ import torch.distributed as torch_dist  # noqa: E402
 from gem.api.types import ParallelismSpec, TrainingSpec  # noqa: E402
 from gem.api.validation import deepspeed_override_problems, derived_deepspeed_keys  # noqa: E402
 from gem.data.errors import SpecError  # noqa: E402
+from gem.launcher import free_port  # noqa: E402
 from gem.parallel.job import deepspeed_overrides  # noqa: E402
 from gem.parallel.plan import ParallelPlan  # noqa: E402
 
@@ -54,12 +54,6 @@ class DistEnv:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def local_device(local_rank: int) -> torch.device:
     """This process's device: the GPU of its local rank, else the CPU."""
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -70,7 +64,7 @@ def init_distributed() -> DistEnv:
     if "RANK" not in os.environ:  # plain `gem train`: a single process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
