@@ -55,6 +55,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.transfer
 	-$(PY) -m benchmarks.solaris
 	-$(PY) -m benchmarks.quality --jobs 2
+	-$(PY) -m benchmarks.scaling --jobs 2
 	-$(PY) -m benchmarks.data_scaling --jobs 2
 	-$(PY) -m benchmarks.diagnose --jobs 2
 	-$(PY) -m benchmarks.diagnose --variant gem_wide_dots --jobs 2
