@@ -1,12 +1,15 @@
 """GEM's scaling study at several data budgets: NE against history length and width, per budget.
 
-    python -m benchmarks.scaling [--smoke] [--jobs N] [--budgets STEPS ...] [--out benchmarks/results/scaling.json]
+    python -m benchmarks.scaling [--smoke] [--jobs N] [--budgets STEPS ...] [--gem-config FIELD=JSON ...]
+                                 [--out benchmarks/results/scaling.json]
 
 benchmarks.quality's scaling study (its `plan_scaling` grid and `study_scaling` summary: GEM
 `tiny` at several widths x max_seq_len values, on the held-out world with long histories, same
 optimizer and data order) trained for each budget in `budgets` (steps of batch 32; the eval
 examples are the same for every budget). quality.json records one budget; this one shows whether
 the answer to "do longer histories help larger models more" changes as the models see more data.
+`--gem-config` trains a candidate design (KunlunConfig fields, as in benchmarks.quality), e.g. the
+design before the affinity branch: `match_flags=true affinity_branch=false`.
 Results and how to read them: docs/quality.md ("Scaling").
 
 Writes the JSON (`budgets`: each budget's `study_scaling` summary) and `scaling.png` beside it.
@@ -33,19 +36,22 @@ from benchmarks import quality as Q  # noqa: E402
 BUDGETS = {"smoke": (4, 8), "full": (800, 3200)}
 
 
-def plan(mode_name: str, budgets: tuple[int, ...], threads: int) -> dict[int, dict[str, dict[str, Any]]]:
-    """{steps: benchmarks.quality.plan_scaling's jobs with that many steps}."""
+def plan(mode_name: str, budgets: tuple[int, ...], threads: int,
+         gem_config: dict[str, Any] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
+    """{steps: benchmarks.quality.plan_scaling's jobs with that many steps (and `gem_config`)}."""
     plans = {}
     for steps in budgets:
         mode = copy.deepcopy(Q.MODES[mode_name])
         mode["scaling"]["steps"] = steps
-        plans[steps] = Q.plan_scaling(mode, threads)
+        jobs = Q.plan_scaling(mode, threads)
+        plans[steps] = {name: dict(job, gem_config=gem_config) for name, job in jobs.items()} if gem_config else jobs
     return plans
 
 
-def run(mode_name: str, budgets: tuple[int, ...], threads: int, workers: int) -> dict[str, Any]:
+def run(mode_name: str, budgets: tuple[int, ...], threads: int, workers: int,
+        gem_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every budget's grid in one process pool (the longest runs first); {str(steps): summary}."""
-    plans = plan(mode_name, budgets, threads)
+    plans = plan(mode_name, budgets, threads, gem_config)
     flat = {f"b{steps}/{name}": job for steps, jobs in plans.items() for name, job in jobs.items()}
     res = Q.run_jobs(flat, workers)
     out = {}
@@ -85,7 +91,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("NE gain, longest vs shortest history (%)")
     ax.set_title("does a longer history help wider models more?")
     ax.legend(fontsize=8)
-    fig.suptitle("GEM scaling by data budget (tiny preset)")
+    fig.suptitle("GEM scaling by data budget (tiny preset)" + (f"; GEM: {doc['gem_config']}" if doc.get("gem_config") else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -95,17 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--budgets", type=int, nargs="+", default=None, metavar="STEPS",
                        help=f"steps per run, one grid each (default: {BUDGETS['full']}; --smoke: {BUDGETS['smoke']})")
+        p.add_argument("--gem-config", nargs="+", default=[], metavar="FIELD=JSON",
+                       help="a candidate design: KunlunConfig fields (e.g. match_flags=true affinity_branch=false)")
 
     args = Q.study_cli(__doc__.split("\n\n")[0], Q.RESULTS / "scaling.json", argv, extra)
     name = "smoke" if args.smoke else "full"
     budgets = tuple(args.budgets or BUDGETS[name])
     if any(b < 1 for b in budgets) or len(set(budgets)) != len(budgets):
         raise SystemExit(f"--budgets must be distinct step counts >= 1, got {' '.join(map(str, budgets))}")
+    gem_config = Q.parse_gem_config(argparse.ArgumentParser(prog="python -m benchmarks.scaling"), args.gem_config)
     t0, load_before = time.time(), os.getloadavg()
     doc = {"command": Q.study_command("benchmarks.scaling", args)
-           + (f" --budgets {' '.join(map(str, budgets))}" if args.budgets else ""),
-           "mode": name, "world_seed": Q.WORLD_SEED,
-           "budgets": run(name, budgets, args.threads, args.jobs)}
+           + (f" --budgets {' '.join(map(str, budgets))}" if args.budgets else "")
+           + (f" --gem-config {' '.join(args.gem_config)}" if args.gem_config else ""),
+           "mode": name, "world_seed": Q.WORLD_SEED, **({"gem_config": gem_config} if gem_config else {}),
+           "budgets": run(name, budgets, args.threads, args.jobs, gem_config)}
     doc["gain_by_budget"] = {steps: s["ne_gain_longest_vs_shortest_rel"] for steps, s in doc["budgets"].items()}
     doc["machine"] = Q.study_machine(args, load_before)
     doc["wall_seconds"] = round(time.time() - t0, 1)

@@ -35,3 +35,20 @@ def test_budgets_must_be_distinct_positive_step_counts(tmp_path):
     for bad in (["0"], ["4", "4"]):
         with pytest.raises(SystemExit, match="--budgets must be distinct step counts >= 1"):
             scaling.main(["--smoke", "--budgets", *bad, "--out", str(tmp_path / "s.json")])
+
+
+def test_a_candidate_design_is_trained_and_recorded(tmp_path):
+    """--gem-config trains every run of the grid as that design: here the trunk without the affinity branch."""
+    out = tmp_path / "pre_branch.json"
+    assert scaling.main(["--smoke", "--budgets", "4", "--gem-config", "match_flags=true", "affinity_branch=false",
+                         "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["gem_config"] == {"match_flags": True, "affinity_branch": False}
+    assert doc["command"].endswith("--budgets 4 --gem-config match_flags=true affinity_branch=false")
+    default = scaling.plan("smoke", (4,), 1)[4]
+    candidate = scaling.plan("smoke", (4,), 1, doc["gem_config"])[4]
+    assert set(candidate) == set(default) and all(j["gem_config"] == doc["gem_config"] for j in candidate.values())
+    assert scaling.main(["--smoke", "--budgets", "4", "--out", str(tmp_path / "default.json")]) == 0
+    with_branch = json.loads((tmp_path / "default.json").read_text())["budgets"]["4"]["grid"]
+    without = {(g["embedding_dim"], g["max_seq_len"]): g["params"] for g in doc["budgets"]["4"]["grid"]}
+    assert all(without[g["embedding_dim"], g["max_seq_len"]] < g["params"] for g in with_branch)  # no branch tables
