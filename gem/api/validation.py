@@ -30,6 +30,7 @@ RESERVED_MOUNTS = {CONFIG_MOUNT_PATH: "the config", "/dev/shm": "shared memory"}
 
 
 def subdomain_problem(value: str) -> str | None:
+    """What is wrong with `value` as an object name (a DNS subdomain), or None."""
     if len(value) > 253 or not _DNS_SUBDOMAIN.match(value):
         return (
             f"{value!r} is not a valid object name: lowercase letters, digits, '-' and '.', "
@@ -39,6 +40,7 @@ def subdomain_problem(value: str) -> str | None:
 
 
 def label_value_problem(value: str) -> str | None:
+    """What is wrong with `value` as a label value, or None."""
     if len(value) > 63 or not _LABEL_VALUE.match(value):
         return (
             f"{value!r} is not a valid label value: at most 63 letters, digits, '-', '_' and '.', "
@@ -48,6 +50,7 @@ def label_value_problem(value: str) -> str | None:
 
 
 def label_key_problem(key: str) -> str | None:
+    """What is wrong with `key` as a label key (an optional DNS prefix and '/', then a name), or None."""
     prefix, slash, name = key.rpartition("/")
     if (slash and subdomain_problem(prefix)) or len(name) > 63 or not _LABEL_NAME.match(name):
         return (
