@@ -19,10 +19,11 @@ Before the run sets up, every node's local rank 0 creates the job dir and writes
 
 Saving: all ranks write into the temp dir -> barrier -> rank 0 fsyncs every file and directory in
 it, renames it to step-XXXXXXXX, fsyncs the job dir, writes COMPLETE (fsynced, with its directory)
--> prunes to keepLast (each old checkpoint's COMPLETE removed and fsynced before its files). The job
-dir itself, and each directory above it that the run creates, is fsynced into its parent when made. The rename is atomic on one filesystem, and a crash at any point leaves
-either a temp dir or a directory without COMPLETE, both ignored by `latest_complete`; a
-checkpoint marked COMPLETE is on disk before any older one is deleted.
+-> prunes to keepLast (each old checkpoint's COMPLETE removed and fsynced before its files). The
+job dir, and each directory above it that the run creates, is fsynced into its parent when made.
+The rename is atomic on one filesystem, and a crash at any point leaves either a temp dir or a
+directory without COMPLETE, both ignored by `latest_complete`; a checkpoint marked COMPLETE is on
+disk before any older one is deleted.
 A rank that fails to write its part (disk full on one node, a permission error) must not leave the
 others in a barrier (NCCL: until the 30-minute collective timeout): each rank records its own write
 errors and still joins every collective, DeepSpeed's save included (its checkpoint engine, which does
