@@ -36,14 +36,19 @@ from benchmarks import quality as Q  # noqa: E402
 BUDGETS = {"smoke": (4, 8), "full": (800, 3200)}
 
 
+def budget_mode(mode_name: str, steps: int) -> dict[str, Any]:
+    """benchmarks.quality's mode with its scaling grid trained for `steps` steps."""
+    mode = copy.deepcopy(Q.MODES[mode_name])
+    mode["scaling"]["steps"] = steps
+    return mode
+
+
 def plan(mode_name: str, budgets: tuple[int, ...], threads: int,
          gem_config: dict[str, Any] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
     """{steps: benchmarks.quality.plan_scaling's jobs with that many steps (and `gem_config`)}."""
     plans = {}
     for steps in budgets:
-        mode = copy.deepcopy(Q.MODES[mode_name])
-        mode["scaling"]["steps"] = steps
-        jobs = Q.plan_scaling(mode, threads)
+        jobs = Q.plan_scaling(budget_mode(mode_name, steps), threads)
         plans[steps] = {name: dict(job, gem_config=gem_config) for name, job in jobs.items()} if gem_config else jobs
     return plans
 
@@ -56,9 +61,8 @@ def run(mode_name: str, budgets: tuple[int, ...], threads: int, workers: int,
     res = Q.run_jobs(flat, workers)
     out = {}
     for steps, jobs in plans.items():
-        mode = copy.deepcopy(Q.MODES[mode_name])
-        mode["scaling"]["steps"] = steps
-        out[str(steps)] = Q.study_scaling(mode, jobs, {name: res[f"b{steps}/{name}"] for name in jobs})
+        out[str(steps)] = Q.study_scaling(budget_mode(mode_name, steps), jobs,
+                                          {name: res[f"b{steps}/{name}"] for name in jobs})
     return out
 
 
