@@ -827,6 +827,12 @@ def parse_gem_config(p: argparse.ArgumentParser, items: list[str]) -> dict[str, 
     return out
 
 
+def with_gem_config(jobs: dict[str, dict[str, Any]], gem_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The jobs with a candidate design (parse_gem_config's fields) on every GEM run; build() leaves
+    DLRM alone. No fields: the jobs unchanged."""
+    return {name: dict(job, gem_config=gem_config) for name, job in jobs.items()} if gem_config else jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group()
@@ -859,8 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.update(plan_scaling(mode, threads))
     if "movielens" not in args.skip:
         jobs.update(plan_movielens(mode, threads))
-    if gem_config:  # every study's GEM runs are the candidate (build() leaves DLRM alone)
-        jobs = {name: dict(job, gem_config=gem_config) for name, job in jobs.items()}
+    jobs = with_gem_config(jobs, gem_config)  # every study's GEM runs are the candidate
     res = run_jobs(jobs, args.jobs)
     main_study = study_main(mode, jobs, res)
     scaling = {"skipped": True} if "scaling" in args.skip else study_scaling(mode, jobs, res)

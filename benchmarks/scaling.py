@@ -46,11 +46,8 @@ def budget_mode(mode_name: str, steps: int) -> dict[str, Any]:
 def plan(mode_name: str, budgets: tuple[int, ...], threads: int,
          gem_config: dict[str, Any] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
     """{steps: benchmarks.quality.plan_scaling's jobs with that many steps (and `gem_config`)}."""
-    plans = {}
-    for steps in budgets:
-        jobs = Q.plan_scaling(budget_mode(mode_name, steps), threads)
-        plans[steps] = {name: dict(job, gem_config=gem_config) for name, job in jobs.items()} if gem_config else jobs
-    return plans
+    return {steps: Q.with_gem_config(Q.plan_scaling(budget_mode(mode_name, steps), threads), gem_config or {})
+            for steps in budgets}
 
 
 def run(mode_name: str, budgets: tuple[int, ...], threads: int, workers: int,
