@@ -131,6 +131,10 @@ class OverBatch(nn.Module):
     def forward(self, batch) -> dict[str, torch.Tensor]:
         return self.inner(from_v1_batch(batch))
 
+    def auxiliary_loss(self, batch) -> torch.Tensor | None:
+        aux = getattr(self.inner, "auxiliary_loss", None)
+        return None if aux is None else aux(from_v1_batch(batch))
+
 
 class LogitSum(nn.Module):
     """GEM and DLRM trained as one model, their logits added per task (`gem_plus_dlrm`, a
@@ -248,6 +252,9 @@ def train_steps(model: nn.Module, train: Examples, *, steps: int, batch: int, lr
         b = loader.next_batch()
         with autocast:
             loss, _ = multitask_bce(model(b), b)
+            aux = model.auxiliary_loss(b) if hasattr(model, "auxiliary_loss") else None
+            if aux is not None:  # the generative objective over the history (KunlunConfig.generative_loss_weight)
+                loss = loss + aux
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if training.grad_clip > 0:

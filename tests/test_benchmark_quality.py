@@ -143,3 +143,23 @@ def test_a_candidate_design_replaces_gem_padded_and_compskip_off_but_not_dlrm(ca
         with pytest.raises(SystemExit):
             quality.main(["--smoke", "--gem-config", bad])
         assert needle in capsys.readouterr().err
+
+
+def test_the_training_loop_adds_a_candidates_generative_objective():
+    """--gem-config generative_loss_weight=...: the loop trains GEM on the task losses plus the
+    model's generative objective over the history (KunlunModel.auxiliary_loss), so the candidate's
+    first step already moves the weights differently; the default GEM has none."""
+    import torch
+
+    train, _ = SyntheticWorld(SyntheticDataSpec(num_users=60, num_ads=40, num_train_examples=64,
+                                                num_eval_examples=8)).splits()
+    mspec = quality.model_spec("tiny", 32)
+    assert quality.build("gem", mspec).auxiliary_loss(None) is None  # GEMModel: off, never converts the batch
+    after = {}
+    for weight in (0.0, 1.0):
+        model = quality.build("gem", mspec, gem_config={"generative_loss_weight": weight})
+        steps = list(quality.train_steps(model, train, steps=1, batch=32, lr=1e-2, warmup=1, max_seq_len=32))
+        after[weight] = (steps[0][1], model.inner.embeddings.tables["campaign"].weight.detach().clone())
+    (loss_off, table_off), (loss_on, table_on) = after[0.0], after[1.0]
+    assert loss_on > loss_off + 1.0  # the objective's cross-entropy over the batch's ids is in the loss
+    assert not torch.equal(table_off, table_on)

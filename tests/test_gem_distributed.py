@@ -5,6 +5,7 @@ same weights: same data, same math.
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -24,7 +25,9 @@ def manifest(tmp_path, name, zero_stage):
     obj = {
         "apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": name, "namespace": "team-a"},
         "spec": {
-            "model": {"preset": "tiny"},
+            # with the generative objective over the history: its lookups run outside the engine's
+            # forward, which ZeRO-3 must gather for too (the ZeRO-3 run's weights are checked below)
+            "model": {"preset": "tiny", "generativeLossWeight": 0.5},
             "data": {"synthetic": {"numUsers": 300, "numAds": 100, "numTrainExamples": 4000, "numEvalExamples": 600,
                                    "meanHistoryLen": 16}},
             "training": {"steps": 30, "batchSize": 32, "warmupSteps": 5},
@@ -148,7 +151,8 @@ def test_two_nodes_zero3_resumes_past_a_checkpoint_one_rank_cannot_read_and_matc
     zero1_dir, zero1_report = zero1
     a = torch.load(zero1_dir / "ckpt/team-a/zero-one/step-00000030/model.pt")
     b = torch.load(final / "model.pt")
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and {"generative.0.log_scale", "generative.1.log_scale"} <= a.keys()
+    assert float(b["generative.0.log_scale"]) != pytest.approx(0.5 * math.log(32))  # trained from its start, log √d
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-4, rtol=1e-3, msg=name)
     assert report["metrics"]["ne/click"] == pytest.approx(zero1_report["metrics"]["ne/click"], abs=1e-3)

@@ -102,6 +102,31 @@ def test_spec_affinity_branch_switches_the_branch_and_the_trunks_match_flags():
         ModelSpec.model_validate({"affinityBranch": "maybe"})
 
 
+def test_spec_generative_loss_weight_reaches_the_model_and_the_trainers_loss():
+    """spec.model.generativeLossWeight (default 0: off) turns on the generative objective over the
+    history (gem.modules.generative); GEMTask's loss adds it, weighted, as the part "generative"."""
+    from gem.api import parse_object
+    from gem.model import kunlun_config
+    from gem.train.task import GEMTask
+
+    assert ModelSpec().generative_loss_weight == 0.0 and build_model(ModelSpec()).generative is None
+    assert kunlun_config(config_from_spec(ModelSpec(generative_loss_weight=0.3))).generative_loss_weight == 0.3
+    with pytest.raises(ValueError, match="generativeLossWeight"):
+        ModelSpec.model_validate({"generativeLossWeight": -1})
+    train, _ = build_splits(SyntheticDataSpec(num_users=50, num_ads=40, num_train_examples=32, num_eval_examples=8))
+    batch = make_batch(train, np.arange(8), max_seq_len=64)
+    losses = {}
+    for w in (0.0, 2.0):
+        task = GEMTask(parse_object({"apiVersion": "gem.dev/v1alpha1", "kind": "GEMTraining", "metadata": {"name": "g"},
+                                     "spec": {"model": {"preset": "tiny", "generativeLossWeight": w}}}))
+        torch.manual_seed(0)
+        model = task.build_model()
+        losses[w] = task.loss(model, batch)
+    (off, off_parts), (on, on_parts) = losses[0.0], losses[2.0]
+    assert "generative" not in off_parts and float(on_parts["generative"].detach()) > 0
+    torch.testing.assert_close(on, off + on_parts["generative"])  # the same model otherwise
+
+
 # --------------------------------------------------------------------------- degenerate batches
 # What real ads traffic produces: no history, one event type missing, histories past max_seq_len,
 # lengths at block multiples +- 1 (tiny: block 16, max_seq_len 64), tied / unsorted / future

@@ -461,6 +461,25 @@ def test_a_checkpoint_from_before_the_affinity_branch_loads_as_the_model_it_hold
     assert checkpoint.setup_changes(ckpt, off, world_size=1) == []
 
 
+def test_the_generative_objective_changes_the_weights_only_when_switched_on_or_off(tmp_path):
+    """spec.model.generativeLossWeight adds its logit scales to the weights when > 0: a resume that
+    switches it on or off names the field; another weight, or a manifest from before the field
+    (off), loads as is."""
+    zero0 = {"zeroStage": 0}
+    off = _spec(parallelism=zero0).to_wire()
+    del off["model"]["generativeLossWeight"]  # a manifest from before the field
+    ckpt = _saved_checkpoint(tmp_path / "off", off, ranks=1)
+    assert checkpoint.setup_changes(ckpt, _spec(parallelism=zero0), world_size=1) == []
+    on = _spec(parallelism=zero0, model={"preset": "tiny", "generativeLossWeight": 0.5})
+    assert checkpoint.setup_changes(ckpt, on, world_size=1) == [
+        "spec.model.generativeLossWeight is 0.5, was unset"]
+    ckpt_on = _saved_checkpoint(tmp_path / "on", on.to_wire(), ranks=1)
+    other = _spec(parallelism=zero0, model={"preset": "tiny", "generativeLossWeight": 2.0})
+    assert checkpoint.setup_changes(ckpt_on, other, world_size=1) == []
+    assert checkpoint.setup_changes(ckpt_on, _spec(parallelism=zero0), world_size=1) == [
+        "spec.model.generativeLossWeight is 0.0, was 0.5"]
+
+
 def test_setup_changes_read_the_plan_where_the_planner_does(tmp_path):
     """The deprecated training.deepspeed.parallelPlan is the plan when spec.parallelism.plan is absent:
     moving it there (as its deprecation note says) was reported as a plan change, the cause of a

@@ -84,6 +84,12 @@ class ModelSpec(ApiModel):
         "history pools), logits added: how the model learns the user x ad affinity. false: the trunk "
         "alone, with exact-match flags on the events instead (the design before 2026-12-07).",
     )
+    generative_loss_weight: float = Field(
+        0.0, ge=0.0, le=100.0,
+        description="Weight of the generative objective over the event history, added to the task losses "
+        "in training: each history event's item and campaign predicted from the rest of its history "
+        "(label-free; docs/architecture.md). 0: off.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSpec":

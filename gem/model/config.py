@@ -35,6 +35,8 @@ class GEMConfig:
     affinity_branch: bool = True
     """KunlunConfig.affinity_branch; without it the trunk gets KunlunConfig.match_flags, the best
     design measured without the branch (docs/quality.md)."""
+    generative_loss_weight: float = 0.0
+    """KunlunConfig.generative_loss_weight: the generative objective over the history (0: off)."""
     tasks: tuple[str, ...] = ("click", "conversion", "dwell")
     """Funnel tasks with a head, trained (losses masked where a label is unknown) and evaluated
     (gem/eval): consideration (click), conversion (post-click) and awareness (dwell)."""
@@ -61,7 +63,8 @@ def config_from_spec(spec: ModelSpec) -> GEMConfig:
         for name in ("embedding_dim", "num_heads", "num_layers", "max_seq_len")
         if getattr(spec, name) is not None
     }
-    cfg = replace(cfg, **overrides, affinity_branch=spec.affinity_branch)
+    cfg = replace(cfg, **overrides, affinity_branch=spec.affinity_branch,
+                  generative_loss_weight=spec.generative_loss_weight)
     if cfg.embedding_dim % cfg.num_heads:
         raise ValueError(
             f"model.embeddingDim ({cfg.embedding_dim}) must be divisible by model.numHeads ({cfg.num_heads}) "
@@ -91,4 +94,5 @@ def kunlun_config(cfg: GEMConfig):
     features = v1_features(cfg.user_buckets, cfg.item_buckets, cfg.campaign_buckets)
     return replace(base, features=features, tiers=tiers, dim=cfg.embedding_dim, num_layers=cfg.num_layers,
                    num_time_buckets=cfg.num_time_buckets, tasks=tuple(by_name[t] for t in cfg.tasks),
-                   affinity_branch=cfg.affinity_branch, match_flags=not cfg.affinity_branch)
+                   affinity_branch=cfg.affinity_branch, match_flags=not cfg.affinity_branch,
+                   generative_loss_weight=cfg.generative_loss_weight)

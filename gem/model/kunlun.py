@@ -36,3 +36,9 @@ class GEMModel(KunlunModel):
     def forward(self, batch: Batch | GemInputs) -> dict[str, torch.Tensor]:
         """Logits per task, each float32 [B]."""
         return super().forward(batch if isinstance(batch, GemInputs) else from_v1_batch(batch))
+
+    def auxiliary_loss(self, batch: Batch | GemInputs) -> torch.Tensor | None:
+        """KunlunModel.auxiliary_loss over the trainer's Batch (None: no generative objective)."""
+        if self.generative is None:
+            return None
+        return super().auxiliary_loss(batch if isinstance(batch, GemInputs) else from_v1_batch(batch))

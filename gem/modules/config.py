@@ -179,6 +179,10 @@ class KunlunConfig:
     each event type's history pooled with a learnt age decay, pairwise dot products, MLPs), its
     logits added to the heads'. DLRM learns the user x ad affinity through such dot products;
     beside GEM it does so only without match_flags (docs/quality.md, docs/architecture.md §11)."""
+    generative_loss_weight: float = 0.0
+    """Weight of the generative objective over the event history (gem.modules.generative: each
+    event's ids predicted from the rest of its history, on the trunk's and the branch's tables),
+    added to the task losses in training; 0: off, and the model has no parameters for it."""
     tasks: tuple[Task, ...] = FUNNEL_TASKS
 
     def __post_init__(self) -> None:
@@ -194,6 +198,8 @@ class KunlunConfig:
                   num_surface_experts=self.num_surface_experts)
         if self.num_shared_experts + self.num_surface_experts < 1:  # a gate over no experts: NaN logits
             raise ValueError("num_shared_experts + num_surface_experts must be >= 1: the heads' gates need an expert")
+        if not (math.isfinite(self.generative_loss_weight) and self.generative_loss_weight >= 0):
+            raise ValueError(f"generative_loss_weight must be a finite number >= 0, got {self.generative_loss_weight!r}")
         if not math.isfinite(self.rotary_scale):
             raise ValueError(f"rotary_scale must be a finite number, got {self.rotary_scale!r}")
         if not self.tiers:

@@ -33,6 +33,7 @@ from gem.modules.common import (JaggedModule, SelfGate, TokenLinear, add_flops, 
 from gem.modules.config import KunlunConfig, TierConfig
 from gem.modules.dot_interaction import DotInteraction
 from gem.modules.embeddings import FeatureEmbeddings
+from gem.modules.generative import HistoryGenerativeLoss
 from gem.modules.heads import MultiTaskHeads, multitask_loss
 from gem.modules.hsp import HierarchicalSeedPooling
 from gem.modules.inputs import GemInputs
@@ -186,6 +187,10 @@ class KunlunModel(JaggedModule):
         self.wide_heads = MultiTaskHeads(wide_in, cfg) if cfg.wide_heads else None
         # last, so that the trunk's initial weights are those of the model without it
         self.affinity = DotInteraction(cfg, history_decay=True) if cfg.affinity_branch else None
+        # one per embedding set it trains (the trunk's, the branch's); after every other module, and
+        # drawing nothing, so the rest of the model starts the same with it
+        self.generative = (nn.ModuleList(HistoryGenerativeLoss(d) for _ in range(1 + cfg.affinity_branch))
+                           if cfg.generative_loss_weight > 0 else None)
 
     def encode(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, TierBatch]]:
         x = self.embeddings.non_sequence(inputs)  # [B, N_ns, d]; sparse-feature tokens come first
@@ -220,6 +225,16 @@ class KunlunModel(JaggedModule):
                 extra.append(self.affinity(inputs))
         return {task: sum((e[task] for e in extra), logits[task]) for task in logits}
 
+    def auxiliary_loss(self, inputs: GemInputs) -> torch.Tensor | None:
+        """generative_loss_weight x the generative objective over the history (gem.modules.generative),
+        averaged over the trunk's and the branch's tables; None when it is off. Training adds it to
+        the task losses (gem.train.task); evaluation never computes it."""
+        if self.generative is None:
+            return None
+        sets = [self.embeddings] + ([self.affinity.embeddings] if self.affinity is not None else [])
+        loss = sum(g(emb, inputs) for g, emb in zip(self.generative, sets, strict=True))
+        return self.cfg.generative_loss_weight * loss / len(sets)
+
     def wide_input(self, x0: torch.Tensor, inputs: GemInputs) -> torch.Tensor:
         """What the wide heads read: flatten(LN(X⁰)), and with wide_dots the pairwise dot products
         of the raw tokens and each event type's pooled history (a user x ad affinity is a dot
@@ -250,7 +265,10 @@ class KunlunModel(JaggedModule):
         return plan
 
     def loss(self, inputs: GemInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return multitask_loss(self(inputs), inputs.labels, self.cfg.tasks, inputs.weight)
+        """(total, parts): the task losses, plus the generative objective's ("generative") when it is on."""
+        total, parts = multitask_loss(self(inputs), inputs.labels, self.cfg.tasks, inputs.weight)
+        aux = self.auxiliary_loss(inputs)
+        return (total, parts) if aux is None else (total + aux, {**parts, "generative": aux})
 
     # ------------------------------------------------------------------ FLOPs
 

@@ -559,7 +559,7 @@ def _or_unset(value: Any) -> Any:
 #: The spec fields a job's weights' shapes depend on, by section: GEMTraining's spec.model, a
 #: distillation's spec.student and its method (and LoopFM's memoryK). Not maxSeqLen: no weight
 #: depends on it (the GEM model's attention and the student's pooling read any history length).
-SHAPE_FIELDS = {"model": ("preset", "embeddingDim", "numHeads", "numLayers", "affinityBranch"),
+SHAPE_FIELDS = {"model": ("preset", "embeddingDim", "numHeads", "numLayers", "affinityBranch", "generativeLossWeight"),
                 "student": ("embeddingDim", "hiddenDim"),
                 "distillation": ("method", "memoryK")}
 
@@ -578,6 +578,8 @@ def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             was, cur = was_s.get(name), now_s.get(name)
             if name == "affinityBranch" and was is None:
                 was = False  # the manifest predates the field (2026-12-07): its model had no branch
+            if name == "generativeLossWeight" and bool(was or 0) == bool(cur or 0):
+                continue  # only on / off changes the weights (its logit scales); absent: it predates the field, off
             if section != "model" and was is None:
                 continue  # a field with a default, written into every manifest: absent, the manifest predates it
             if name == "memoryK" and "loopfm" not in (was_s.get("method"), now_s.get("method")):

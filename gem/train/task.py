@@ -17,6 +17,7 @@ from gem.data.errors import SpecError
 from gem.data.sources import load_data
 from gem.model import GEMModel, config_from_spec
 from gem.model.loss import multitask_bce
+from gem.modules import from_v1_batch
 
 LossFn = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
@@ -60,7 +61,15 @@ class GEMTask:
         return GEMModel(self.config)
 
     def loss(self, model: nn.Module, batch: Batch) -> LossFn:
-        return multitask_bce(model(batch), batch)
+        gem = getattr(model, "module", model)  # `model` is DeepSpeed's engine
+        if gem.generative is None:
+            return multitask_bce(model(batch), batch)
+        # With the generative objective over the history (spec.model.generativeLossWeight): the
+        # batch converted once for both. Its tables are called as modules, so ZeRO-3 gathers them.
+        inputs = from_v1_batch(batch)
+        total, parts = multitask_bce(model(inputs), batch)
+        aux = gem.auxiliary_loss(inputs)
+        return total + aux, {**parts, "generative": aux}
 
     def reference_metrics(self, evaluate: Any) -> dict[str, float]:
         return {}
