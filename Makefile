@@ -54,6 +54,7 @@ bench: $(STAMP)
 	-$(PY) -m benchmarks.operator
 	-$(PY) -m benchmarks.transfer
 	-$(PY) -m benchmarks.solaris
+	-$(PY) -m benchmarks.history_signal
 	-$(PY) -m benchmarks.quality --jobs 2
 	-$(PY) -m benchmarks.scaling --jobs 2
 	-$(PY) -m benchmarks.data_scaling --jobs 2
