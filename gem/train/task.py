@@ -62,7 +62,7 @@ class GEMTask:
 
     def loss(self, model: nn.Module, batch: Batch) -> LossFn:
         gem = getattr(model, "module", model)  # `model` is DeepSpeed's engine
-        if gem.generative is None:
+        if getattr(gem, "generative", None) is None:  # off, or a model without it (a subclass's baseline)
             return multitask_bce(model(batch), batch)
         # With the generative objective over the history (spec.model.generativeLossWeight): the
         # batch converted once for both. Its tables are called as modules, so ZeRO-3 gathers them.
