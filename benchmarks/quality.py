@@ -31,9 +31,8 @@ examples in the same order, for the same number of steps, with the same optimize
    budget of a shared 2-core machine).
 
 Sizes per mode are in MODES; `full` (128k training impressions per model, every model over three
-paired seeds, scored on 100,000 eval impressions so that the smallest cell, conversion/offsite, has
-~1,200 rather than 234; the scaling grid 25,600 impressions per run) takes ~90 min on an idle
-2-core machine with --jobs 2: see docs/quality.md. benchmarks.scaling runs the scaling grid at several budgets.
+paired seeds; the scaling grid 25,600 impressions per run) takes ~75 min on an idle 2-core machine
+with --jobs 2: see docs/quality.md. benchmarks.scaling runs the scaling grid at several budgets.
 
 The training loop is `gem train`'s, minus DeepSpeed (a world of one): gem.data.ShardedLoader
 (seeded epoch permutations), gem.model.loss.multitask_bce (every task the model has a head for;
@@ -110,7 +109,7 @@ MODES: dict[str, dict[str, Any]] = {
         movielens=dict(preset="tiny", steps=20, batch=64, max_seq_len=64, eval_examples=2000),
     ),
     "full": dict(
-        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=100000,
+        preset="small", world=dict(num_users=4000, num_ads=1000, mean_history_len=48.0), eval_examples=20000,
         steps=1000, batch=128, max_seq_len=128, lr=2e-3, warmup=50, seeds=(0, 1, 2),
         scaling=dict(preset="tiny", mean_history_len=192.0, lengths=(16, 64, 256, 1024), dims=(16, 32, 64),
                      steps=800, batch=32, eval_examples=4000),
