@@ -38,7 +38,6 @@ from benchmarks import quality as Q  # noqa: E402
 from gem.api.types import SyntheticDataSpec  # noqa: E402
 from gem.data import Examples  # noqa: E402
 from gem.data.synthetic import SyntheticWorld  # noqa: E402
-from gem.eval.metrics import normalized_entropy  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "history_signal.json"
 RANKS = (8, 16)
@@ -89,30 +88,27 @@ def latent_r2(world: SyntheticWorld, u: np.ndarray, s: np.ndarray) -> dict[str, 
     return out
 
 
-def study(spec: SyntheticDataSpec) -> dict[str, Any]:
+def study(data: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks.quality's gap split of `data` (a quality job's data dict) with the row between its
+    two predictors: the one without the affinity, given the co-occurrence features instead."""
+    spec = SyntheticDataSpec(**data["spec"])
     world = SyntheticWorld(spec)
-    train, eval_ = world.splits()
+    train, eval_ = Q.load_data(data)  # the cache gap_split reads too
     ppmi, u, s = ppmi_embeddings(campaign_counts(train, world.num_campaigns))  # training histories only
-    feats = {"train": cooccurrence_features(train, ppmi, u, s), "eval": cooccurrence_features(eval_, ppmi, u, s)}
-    terms = {"train": world.logit_terms(train), "eval": world.logit_terms(eval_)}
+    split = Q.gap_split(data)
     rows = {}
     for task in ("click", "dwell"):  # conversion's affinity is 0.6 of click's, on ~8 labels per ad
-        y = {"train": getattr(train, task), "eval": getattr(eval_, task)}
-
-        def cols(split: str, hidden: tuple[str, ...], extra: np.ndarray | None = None) -> np.ndarray:
-            x = np.stack([v for k, v in terms[split][task].items() if k != "intercept" and k not in hidden], 1)
-            return x if extra is None else np.hstack([x, extra])
-
-        def ne(hidden: tuple[str, ...], use_feats: bool = False) -> float:
-            return Q._logistic_ne(cols("train", hidden, feats["train"] if use_feats else None), y["train"],
-                                  cols("eval", hidden, feats["eval"] if use_feats else None), y["eval"])
-
-        no_aff = ("affinity_campaign", "affinity_ad")
-        rows[task] = {"bayes": float(normalized_entropy(y["eval"], getattr(eval_, f"p_{task}"))),
-                      "without_affinity": ne(no_aff),
-                      "with_history_cooccurrence": ne(no_aff, use_feats=True),
-                      "with_campaign_affinity": ne(("affinity_ad",))}
-    return {"world": spec.model_dump(mode="json"), "num_campaigns": world.num_campaigns,
+        x, y = {}, {}
+        for name, ex in (("train", train), ("eval", eval_)):
+            terms = world.logit_terms(ex)[task]
+            known = [v for k, v in terms.items() if k not in ("intercept", *Q.GAP_SPLIT["without_affinity"])]
+            x[name] = np.hstack([np.stack(known, 1), cooccurrence_features(ex, ppmi, u, s)])
+            y[name] = getattr(ex, task)
+        row = dict(split[task])
+        row["with_history_cooccurrence"] = Q._logistic_ne(x["train"], y["train"], x["eval"], y["eval"])
+        rows[task] = {k: row[k] for k in ("bayes", "without_affinity", "with_history_cooccurrence",
+                                          "with_campaign_affinity")}
+    return {"world": data["spec"], "num_campaigns": world.num_campaigns,
             "train_examples": len(train), "eval_examples": len(eval_), "ne": rows,
             "campaign_latent_r2": latent_r2(world, u, s)}
 
@@ -123,10 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     mode = Q.MODES["smoke" if args.smoke else "full"]
-    spec = Q.synthetic_spec(mode, mean_history_len=mode["world"]["mean_history_len"],
-                            train_examples=mode["steps"] * mode["batch"], eval_examples=mode["eval_examples"])
+    data = Q.plan_main(mode, threads=1, kinds=("gem",))["main/gem"]["data"]  # the quality study's examples
     t0 = time.time()
-    doc = {"command": "python -m benchmarks.history_signal" + (" --smoke" if args.smoke else ""), **study(spec)}
+    doc = {"command": "python -m benchmarks.history_signal" + (" --smoke" if args.smoke else ""), **study(data)}
     doc["wall_seconds"] = round(time.time() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
